@@ -1,0 +1,276 @@
+// CUDA implementations of the pipeoptim ops: one pass over the flat buffers, fp32 maths, 16-byte
+// vector loads and stores when every buffer is 16-byte aligned (a scalar loop otherwise and for the
+// tail), fp32/bf16/fp16 output.
+// Only c10/cuda headers: ATen/cuda/CUDAContext.h pulls in cuSPARSE and cuBLAS headers that a bare
+// toolkit may lack.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../ops.h"
+
+namespace pipeoptim {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T> struct OutT;
+template <> struct OutT<float> { static __device__ __forceinline__ float cvt(float x) { return x; } };
+template <> struct OutT<__nv_bfloat16> {
+  static __device__ __forceinline__ __nv_bfloat16 cvt(float x) { return __float2bfloat16_rn(x); }
+};
+template <> struct OutT<__half> { static __device__ __forceinline__ __half cvt(float x) { return __float2half_rn(x); } };
+
+// 4 consecutive floats; the pointer is 16-byte aligned on the vector path.
+struct F4 { float x[4]; };
+__device__ __forceinline__ F4 load4(const float* p) {
+  float4 t = *reinterpret_cast<const float4*>(p);
+  return {{t.x, t.y, t.z, t.w}};
+}
+__device__ __forceinline__ void store4(float* p, const F4& v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v.x[0], v.x[1], v.x[2], v.x[3]);
+}
+template <typename T>
+__device__ __forceinline__ void store_out4(T* p, const F4& v) {
+  if constexpr (sizeof(T) == 4) {
+    store4(reinterpret_cast<float*>(p), v);
+  } else {
+    struct alignas(8) Four { T e[4]; } o;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o.e[k] = OutT<T>::cvt(v.x[k]);
+    *reinterpret_cast<Four*>(p) = o;
+  }
+}
+
+// ---- predict --------------------------------------------------------------------------------------
+
+template <bool HasM, bool HasG, int DenKind, bool HasVC, typename T, bool Vec>
+__global__ void predict_kernel(int64_t n, const float* w, const float* m, const float* g, const float* v,
+                               const float* vc, T* out, PredictCoeffs c) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  if (Vec) {
+    const int64_t n4 = n / 4;
+    for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
+      const int64_t i = q * 4;
+      F4 wv = load4(w + i), mv{}, gv{}, vv{}, cv{}, r;
+      if (HasM) mv = load4(m + i);
+      if (HasG) gv = load4(g + i);
+      if (DenKind) vv = load4(v + i);
+      if (HasVC) cv = load4(vc + i);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        r.x[k] = predict_one<HasM, HasG, DenKind, HasVC>(c, wv.x[k], mv.x[k], gv.x[k], vv.x[k], cv.x[k]);
+      store_out4(out + i, r);
+    }
+    return;
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float r = predict_one<HasM, HasG, DenKind, HasVC>(c, w[i], HasM ? m[i] : 0.f, HasG ? g[i] : 0.f,
+                                                      DenKind ? v[i] : 0.f, HasVC ? vc[i] : 0.f);
+    out[i] = OutT<T>::cvt(r);
+  }
+}
+
+// ---- Adam / AdamW step + predict ----------------------------------------------------------------------
+
+template <bool Amsgrad, typename T, bool Vec>
+__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, float* vmax, T* out,
+                            AdamStepCoeffs c) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  if (Vec) {
+    const int64_t n4 = n / 4;
+    for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
+      const int64_t i = q * 4;
+      F4 wv = load4(w + i), gv = load4(g + i), mv = load4(m + i), vv = load4(v + i), xv{}, r;
+      if (Amsgrad) xv = load4(vmax + i);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) r.x[k] = adam_step_predict_one<Amsgrad>(c, wv.x[k], gv.x[k], mv.x[k], vv.x[k], xv.x[k]);
+      store4(w + i, wv);
+      store4(m + i, mv);
+      store4(v + i, vv);
+      if (Amsgrad) store4(vmax + i, xv);
+      store_out4(out + i, r);
+    }
+    return;
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float wi = w[i], mi = m[i], vi = v[i], xi = Amsgrad ? vmax[i] : 0.f;
+    float r = adam_step_predict_one<Amsgrad>(c, wi, g[i], mi, vi, xi);
+    w[i] = wi;
+    m[i] = mi;
+    v[i] = vi;
+    if (Amsgrad) vmax[i] = xi;
+    out[i] = OutT<T>::cvt(r);
+  }
+}
+
+// ---- SGD step + predict ---------------------------------------------------------------------------------
+
+template <bool HasMomentum, bool Nesterov, bool First, typename T, bool Vec>
+__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* buf, T* out, SgdStepCoeffs c) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  if (Vec) {
+    const int64_t n4 = n / 4;
+    for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
+      const int64_t i = q * 4;
+      F4 wv = load4(w + i), gv = load4(g + i), bv{}, r;
+      if (HasMomentum && !First) bv = load4(buf + i);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) r.x[k] = sgd_step_predict_one<HasMomentum, Nesterov, First>(c, wv.x[k], gv.x[k], bv.x[k]);
+      store4(w + i, wv);
+      if (HasMomentum) store4(buf + i, bv);
+      store_out4(out + i, r);
+    }
+    return;
+  }
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    float wi = w[i], bi = (HasMomentum && !First) ? buf[i] : 0.f;
+    float r = sgd_step_predict_one<HasMomentum, Nesterov, First>(c, wi, g[i], bi);
+    w[i] = wi;
+    if (HasMomentum) buf[i] = bi;
+    out[i] = OutT<T>::cvt(r);
+  }
+}
+
+// ---- launch helpers -----------------------------------------------------------------------------------------
+
+bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+int blocks_for(int64_t work) {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t want = (work + kThreads - 1) / kThreads;
+  return int(std::max<int64_t>(1, std::min<int64_t>(want, int64_t(sms) * 16)));
+}
+
+template <class F>
+void with_bool(bool b, F&& f) {
+  if (b) f(std::integral_constant<bool, true>{});
+  else f(std::integral_constant<bool, false>{});
+}
+
+// Calls f(T{}) with T the device type of `out`.
+template <class F>
+void with_out_type(const at::Tensor& out, F&& f) {
+  switch (out_kind(out)) {
+    case 1: f(__nv_bfloat16{}); break;
+    case 2: f(__half{}); break;
+    default: f(float{}); break;
+  }
+}
+
+// Runs the vector kernel over the multiple-of-4 prefix and the scalar one over the tail.
+template <class Launch>
+void launch_split(int64_t n, bool vec_ok, Launch&& launch) {
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t head = vec_ok ? (n / 4) * 4 : 0;
+  if (head > 0) launch(std::integral_constant<bool, true>{}, int64_t(0), head, blocks_for(head / 4), stream);
+  if (n > head) launch(std::integral_constant<bool, false>{}, head, n - head, blocks_for(n - head), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+T* offset(T* p, int64_t o) { return p ? p + o : nullptr; }
+
+void predict_cuda(const at::Tensor& w, const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& g,
+                  const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& vc, const at::Tensor& out,
+                  int64_t den, at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(den >= 0 && den <= 2, "pipeoptim::predict_: den must be 0, 1 or 2");
+  const c10::cuda::CUDAGuard guard(w.device());
+  const float *pm = opt_ptr(m, w, "m"), *pg = opt_ptr(g, w, "g"), *pv = opt_ptr(v, w, "v"), *pvc = opt_ptr(vc, w, "vc");
+  TORCH_CHECK(den == 0 || pv != nullptr, "pipeoptim::predict_: v is required when den != 0");
+  const PredictCoeffs c = predict_coeffs(coeffs);
+  const float* pw = w.data_ptr<float>();
+  const bool vec_ok = aligned16({pw, pm, pg, pv, pvc, out.data_ptr()});
+  with_out_type(out, [&](auto tag) {
+    using T = decltype(tag);
+    T* po = static_cast<T*>(out.data_ptr());
+    with_bool(pm != nullptr, [&](auto hm) {
+      with_bool(pg != nullptr, [&](auto hg) {
+        with_bool(pvc != nullptr && den == DEN_SQRT, [&](auto hvc) {
+          auto run = [&](auto dk) {
+            launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+              predict_kernel<hm, hg, decltype(dk)::value, hvc, T, vec><<<blocks, kThreads, 0, s>>>(
+                  n, pw + o, offset(pm, o), offset(pg, o), offset(pv, o), offset(pvc, o), po + o, c);
+            });
+          };
+          if (den == DEN_SQRT) run(std::integral_constant<int, DEN_SQRT>{});
+          else if (den == DEN_LINEAR) run(std::integral_constant<int, DEN_LINEAR>{});
+          else run(std::integral_constant<int, DEN_NONE>{});
+        });
+      });
+    });
+  });
+}
+
+void adam_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v,
+                            const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(grad, w, "grad");
+  check_buffer(m, w, "exp_avg");
+  check_buffer(v, w, "exp_avg_sq");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::adam_step_predict_: out must not be w");
+  const c10::cuda::CUDAGuard guard(w.device());
+  float* px = const_cast<float*>(opt_ptr(vmax, w, "max_exp_avg_sq"));
+  const AdamStepCoeffs c = adam_coeffs(coeffs);
+  float *pw = w.data_ptr<float>(), *pm = m.data_ptr<float>(), *pv = v.data_ptr<float>();
+  const float* pg = grad.data_ptr<float>();
+  const bool vec_ok = aligned16({pw, pg, pm, pv, px, out.data_ptr()});
+  with_out_type(out, [&](auto tag) {
+    using T = decltype(tag);
+    T* po = static_cast<T*>(out.data_ptr());
+    with_bool(px != nullptr, [&](auto ams) {
+      launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+        adam_kernel<ams, T, vec><<<blocks, kThreads, 0, s>>>(n, pw + o, pg + o, pm + o, pv + o, offset(px, o), po + o, c);
+      });
+    });
+  });
+}
+
+void sgd_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+                           const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(grad, w, "grad");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::sgd_step_predict_: out must not be w");
+  const c10::cuda::CUDAGuard guard(w.device());
+  float* pb = const_cast<float*>(opt_ptr(buf, w, "momentum_buffer"));
+  const SgdStepCoeffs c = sgd_coeffs(coeffs);
+  float* pw = w.data_ptr<float>();
+  const float* pg = grad.data_ptr<float>();
+  const bool vec_ok = aligned16({pw, pg, pb, out.data_ptr()});
+  with_out_type(out, [&](auto tag) {
+    using T = decltype(tag);
+    T* po = static_cast<T*>(out.data_ptr());
+    with_bool(pb != nullptr, [&](auto hm) {
+      with_bool(nesterov, [&](auto nes) {
+        with_bool(first, [&](auto fst) {
+          launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+            sgd_kernel<hm, nes, fst, T, vec><<<blocks, kThreads, 0, s>>>(n, pw + o, pg + o, offset(pb, o), po + o, c);
+          });
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pipeoptim
+
+TORCH_LIBRARY_IMPL(pipeoptim, CUDA, m) {
+  m.impl("predict_", &pipeoptim::cuda::predict_cuda);
+  m.impl("adam_step_predict_", &pipeoptim::cuda::adam_step_predict_cuda);
+  m.impl("sgd_step_predict_", &pipeoptim::cuda::sgd_step_predict_cuda);
+}

@@ -1,0 +1,27 @@
+// The torch.library schemas of the kernels (one definition for every backend) and the Python module
+// that says what this build contains. CPU kernels register in cpu/ops_cpu.cpp, CUDA ones in
+// cuda/ops_cuda.cu; fake (meta) implementations for torch.compile live in pipeoptim_kernels/compiled.py.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(pipeoptim, m) {
+  m.def("predict_(Tensor w, Tensor? m, Tensor? g, Tensor? v, Tensor? vc, Tensor(a!) out, int den, float[] coeffs) -> ()");
+  m.def("adam_step_predict_(Tensor(a!) w, Tensor grad, Tensor(b!) m, Tensor(c!) v, Tensor(d!)? vmax, Tensor(e!) out, float[] coeffs) -> ()");
+  m.def("sgd_step_predict_(Tensor(a!) w, Tensor grad, Tensor(b!)? buf, Tensor(e!) out, bool nesterov, bool first, float[] coeffs) -> ()");
+}
+
+namespace pipeoptim {
+namespace cpu {
+const char* selected_isa();
+}
+}  // namespace pipeoptim
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pipeoptim_kernels compiled kernels (ops under torch.ops.pipeoptim)";
+#ifdef PIPEOPTIM_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.def("cpu_isa", &pipeoptim::cpu::selected_isa, "the instruction set the CPU loops run with");
+}

@@ -1,0 +1,10 @@
+"""pipeoptim: pipeline-parallel training with optimizer-dependent weight prediction.
+
+Layers, each importable on its own (data flows one way):
+    pipeoptim_kernels      fused prediction kernels (knows nothing of pipelines)
+    pipeoptim.flat         flat parameter buffers bound to torch.optim optimizers
+    pipeoptim.policies     weight policies: none, stash, 2bw, spectrain, pipeoptim
+    pipeoptim.schedules    schedules as data, validator; pipeoptim.sim / pipeoptim.viz read them
+    pipeoptim.runtime      executor on torch.distributed and a single-process emulator
+"""
+__version__ = "0.1.0"
