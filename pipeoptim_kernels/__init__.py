@@ -1,0 +1,175 @@
+"""pipeoptim_kernels: fused weight prediction over flat parameter buffers.
+
+    ŵ = w − s·lr·Δ          Δ: the update direction the optimizer's own rule gives from its state
+
+`predict` writes ŵ in one pass over w and the optimizer state, in place or into a separate (possibly
+bf16/fp16) buffer. `step_predict` takes the optimizer step and writes the next forward's prediction in
+the same pass. Rules follow torch.optim's update rules and state names; `group` can be a real
+optimizer's `param_groups[i]`. This package knows nothing of pipelines.
+
+Backends: `eager` (plain torch, any device, the readable oracle), `triton` (GPU; CPU under
+TRITON_INTERPRET=1, for tests), `cpu` and `cuda` (the compiled extension). `backend="auto"` picks the
+fastest available for the tensors' device.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from . import compiled, eager, rules, triton_backend
+from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, STATE_ENTRIES, STEP_PREDICT_RULES,
+                    register_rule)
+from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s
+
+__all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
+           "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
+
+BACKENDS = ("auto", "eager", "triton", "cpu", "cuda")
+_HOW_TO_GET = {
+    "triton": "install triton (`pip install triton`) and use CUDA tensors, or set TRITON_INTERPRET=1 before "
+              "importing to run it on CPU tensors",
+    "cpu": "build the extension: `pip install --no-build-isolation -e .`",
+    "cuda": "build the extension on a machine with torch+CUDA and nvcc "
+            "(`CUDA_HOME=/usr/local/cuda pip install --no-build-isolation -e .`) and use CUDA tensors",
+}
+
+
+def available_backends() -> list[str]:
+    """Backends that can run here, e.g. ["eager", "triton", "cpu", "cuda"]."""
+    names = ["eager"]
+    if triton_backend.available():
+        names.append("triton")
+    if compiled.has_cpu():
+        names.append("cpu")
+    if compiled.has_cuda():
+        names.append("cuda")
+    return names
+
+
+def _resolve_backend(backend: str, w: torch.Tensor, out: torch.Tensor, builtin: bool) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    compiled_ok = builtin and w.dtype == torch.float32 and out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if backend == "auto":
+        if not compiled_ok:
+            return "eager"
+        if w.device.type == "cuda":
+            if compiled.has_cuda():
+                return "cuda"
+            if triton_backend.available():
+                return "triton"
+        elif w.device.type == "cpu" and compiled.has_cpu():
+            return "cpu"
+        return "eager"
+    if backend == "eager":
+        return backend
+    if not builtin:
+        raise ValueError(f"custom rules run on the eager backend only; pass backend='eager' or 'auto'")
+    if not compiled_ok:
+        raise TypeError(f"backend {backend!r} needs float32 w and state with a float32/bfloat16/float16 out "
+                        f"(got w {w.dtype}, out {out.dtype}); use backend='eager' for other dtypes")
+    if backend == "triton":
+        if not triton_backend.available() or (w.device.type != "cuda" and not triton_backend.interpreting()):
+            raise RuntimeError(f"backend 'triton' is not available for {w.device} tensors here: {_HOW_TO_GET['triton']}")
+    elif backend == "cpu":
+        if not compiled.has_cpu():
+            raise RuntimeError(f"backend 'cpu' is not available: {_HOW_TO_GET['cpu']}")
+        if w.device.type != "cpu":
+            raise ValueError(f"backend 'cpu' runs on CPU tensors, w is on {w.device}; use backend='cuda' or 'auto'")
+    elif backend == "cuda":
+        if not compiled.has_cuda():
+            raise RuntimeError(f"backend 'cuda' is not available: {_HOW_TO_GET['cuda']}")
+        if w.device.type != "cuda":
+            raise ValueError(f"backend 'cuda' runs on CUDA tensors, w is on {w.device}; use backend='cpu' or 'auto'")
+    return backend
+
+
+_PREDICT = {"eager": eager.predict, "cpu": compiled.predict, "cuda": compiled.predict,
+            "triton": triton_backend.predict}
+
+
+def predict(rule: str, w: torch.Tensor, state: Mapping[str, torch.Tensor], group: Mapping, *, step: int, s: float,
+            out: torch.Tensor | None = None, mode: str = "exact", backend: str = "auto") -> torch.Tensor:
+    """Predicted weights ŵ = w − s·lr·Δ for `rule`, after `step` completed optimizer steps.
+
+    `state` maps torch.optim's state names (plus 'grad', the last gradient, where the rule uses it) to
+    flat buffers aligned with `w`. `out=w` predicts in place; another buffer may be a lower precision.
+    With `out=None` a new buffer is returned, except when nothing is to predict (s == 0 or step == 0):
+    then `w` itself is returned. Returns the tensor holding ŵ.
+    """
+    if not isinstance(rule, str) or (rule not in BUILTIN_RULES and rules.custom_rule(rule) is None):
+        raise rules.unknown_rule_error(rule)
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'exact' (the optimizer's full rule) or 'paper' (the paper's table), got {mode!r}")
+    check_flat("w", w)
+    group = check_group(group)
+    step, s = check_step_s(step, s)
+    if out is not None:
+        check_out(out, w)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of flat buffers named as torch.optim names them, got {type(state).__name__}")
+    builtin = rule in BUILTIN_RULES
+    if builtin:
+        for name in STATE_ENTRIES[rule]:
+            t = state.get(name)
+            if isinstance(t, torch.Tensor) and (t.dim() != 0 or name != "mu_product"):
+                check_flat(f"state[{name!r}]", t, ref=w)
+    no_work = s == 0 or step == 0
+    if no_work:
+        if out is None or out is w:
+            return w
+        _resolve_backend(backend, w, out, builtin)
+        out.copy_(w)
+        return out
+    if builtin:
+        plan = rules.predict_plan(rule, state, group, step, s, mode)
+    elif mode != "exact":
+        raise ValueError(f"mode='paper' exists only for {', '.join(PAPER_RULES)}; custom rule {rule!r} has no paper mode")
+    if out is None:
+        out = torch.empty_like(w)
+    if builtin:
+        check_not_overlapping(out, plan.tensors())
+    else:
+        check_not_overlapping(out, {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1})
+    name = _resolve_backend(backend, w, out, builtin)
+    if builtin:
+        _PREDICT[name](plan, w, out)
+    else:
+        direction = rules.custom_rule(rule)(w, state, group, step)
+        eager.predict_direction(direction, w, s * rules.scalar(group["lr"]), out)
+    return out
+
+
+def step_predict(rule: str, w: torch.Tensor, grad: torch.Tensor, state: Mapping[str, torch.Tensor], group: Mapping, *,
+                 step: int, s: float, out: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """One optimizer step of `w` (and its state) from `grad`, then ŵ for the next forward into `out`.
+
+    Takes step number `step + 1` exactly as torch.optim would (`step`: completed steps before this
+    call; the caller keeps its own step count, e.g. torch.optim's state['step']). Rules: sgd, adam,
+    adamw. `out` must be a separate buffer; with s == 0 it receives the stepped weights. Returns `out`.
+    """
+    if rule not in STEP_PREDICT_RULES:
+        raise ValueError(f"step_predict supports {', '.join(STEP_PREDICT_RULES)}, got {rule!r}; for other "
+                         "optimizers call optimizer.step() and then pipeoptim_kernels.predict(...)")
+    check_flat("w", w)
+    check_flat("grad", grad, ref=w)
+    group = check_group(group)
+    step, s = check_step_s(step, s)
+    if out is None:
+        raise ValueError("step_predict needs out=, a buffer for the next forward's weights (not w itself)")
+    check_out(out, w)
+    if out is w:
+        raise ValueError("out must not be w: w receives the stepped weights and out the prediction")
+    for name in STATE_ENTRIES[rule]:
+        if isinstance(state.get(name), torch.Tensor):
+            check_flat(f"state[{name!r}]", state[name], ref=w)
+    if rule == "sgd":
+        plan = rules.sgd_step_plan(state, group, step, s)
+    else:
+        plan = rules.adam_step_plan(rule, state, group, step, s)
+    check_not_overlapping(out, {"w": w, "grad": grad, **plan.tensors})
+    name = _resolve_backend(backend, w, out, True)
+    table = {"eager": eager, "cpu": compiled, "cuda": compiled, "triton": triton_backend}[name]
+    (table.sgd_step_predict if rule == "sgd" else table.adam_step_predict)(plan, w, grad, out)
+    return out

@@ -1,0 +1,108 @@
+"""The compiled backends (`cpu`, `cuda`): loading the extension and calling its torch.library ops.
+
+The extension `pipeoptim_kernels._C` is normally built by `pip install`. When it is missing (a source
+checkout that was never built) it is compiled just in time with ninja from `csrc/`; when that is not
+possible either, the package works on its eager backend and says so once.
+
+The ops (`torch.ops.pipeoptim.*`) take the scalars of a plan from `rules.py` as a float list whose
+order matches the structs in `csrc/rules.h`. Fake implementations make them traceable by torch.compile.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+
+import torch
+
+from . import _build
+from .rules import AdamStepPlan, PredictPlan, SgdStepPlan
+
+_lock = threading.Lock()
+_state: dict = {"tried": False, "module": None, "error": None}
+
+
+def _jit_build():
+    from torch.utils import cpp_extension
+
+    if not _build.CSRC.is_dir():
+        raise RuntimeError(f"no C++ sources at {_build.CSRC} to build from")
+    with_cuda = _build.want_cuda() and torch.cuda.is_available()
+    if with_cuda:
+        os.environ.setdefault("CUDA_HOME", _build.cuda_home())
+    cflags = list(_build.CXX_FLAGS) + (["-DPIPEOPTIM_WITH_CUDA"] if with_cuda else [])
+    return cpp_extension.load(
+        name="pipeoptim_kernels_C", sources=_build.sources(with_cuda), extra_cflags=cflags,
+        extra_cuda_cflags=list(_build.NVCC_FLAGS), extra_ldflags=list(_build.LINK_FLAGS),
+        with_cuda=with_cuda, verbose=False)
+
+
+def load():
+    """The compiled module, or None (after one warning) when it cannot be had."""
+    if _state["tried"]:
+        return _state["module"]
+    with _lock:
+        if _state["tried"]:
+            return _state["module"]
+        module = None
+        try:
+            module = importlib.import_module("pipeoptim_kernels._C")
+        except ImportError as import_error:
+            if os.environ.get("PIPEOPTIM_NO_JIT", "0") == "1":
+                _state["error"] = f"{import_error} (and PIPEOPTIM_NO_JIT=1)"
+            else:
+                try:
+                    module = _jit_build()
+                except Exception as build_error:  # a missing compiler, headers, ninja...
+                    _state["error"] = f"{import_error}; just-in-time build failed: {build_error}"
+        if module is None:
+            warnings.warn(
+                "pipeoptim_kernels: the compiled kernels are not available, using the eager backend "
+                f"({_state['error']}). Build them with `pip install --no-build-isolation -e .` "
+                "(set CUDA_HOME=/usr/local/cuda for the CUDA kernels).", RuntimeWarning, stacklevel=3)
+        else:
+            _register_fakes()
+        _state["module"], _state["tried"] = module, True
+        return module
+
+
+def has_cpu() -> bool:
+    return load() is not None
+
+
+def has_cuda() -> bool:
+    module = load()
+    return module is not None and bool(module.with_cuda) and torch.cuda.is_available()
+
+
+def cpu_isa() -> str | None:
+    module = load()
+    return module.cpu_isa() if module is not None else None
+
+
+def _register_fakes() -> None:
+    for op in ("predict_", "adam_step_predict_", "sgd_step_predict_"):
+        name = f"pipeoptim::{op}"
+        try:
+            torch.library.register_fake(name)(lambda *args, **kwargs: None)
+        except RuntimeError:  # already registered (module reloaded)
+            pass
+
+
+# ---- calls --------------------------------------------------------------------------------------------------
+
+def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+    coeffs = [plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam]
+    torch.ops.pipeoptim.predict_(w, plan.m, plan.g, plan.v, plan.vc, out, plan.den, coeffs)
+
+
+def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    coeffs = [p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt,
+              p.pred_scale, p.pred_lam]
+    torch.ops.pipeoptim.adam_step_predict_(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out, coeffs)
+
+
+def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    coeffs = [p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale]
+    torch.ops.pipeoptim.sgd_step_predict_(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)

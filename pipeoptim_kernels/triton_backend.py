@@ -1,0 +1,156 @@
+"""Triton backend: the plans of `rules.py` as Triton kernels, one pass over the flat buffers.
+
+Runs on CUDA tensors; with TRITON_INTERPRET=1 set before this module is imported it also runs on CPU
+tensors through Triton's interpreter, which is how the tests exercise it without a GPU. The interpreter
+costs about a millisecond per program, hence the large block there. Its fp32→bf16 stores truncate
+where the GPU rounds: tests allow one bf16 ulp on this path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .rules import DEN_LINEAR, DEN_SQRT, AdamStepPlan, PredictPlan, SgdStepPlan
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional
+    triton = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    return triton is not None and (interpreting() or torch.cuda.is_available())
+
+
+def _block(n: int) -> int:
+    if interpreting():
+        return 65536
+    return 1024
+
+
+if triton is not None:
+
+    @triton.jit
+    def _predict_kernel(w_ptr, m_ptr, g_ptr, v_ptr, vc_ptr, out_ptr, n,
+                        scale, cm, cg, cw, dscale, eps, lam,
+                        HAS_M: tl.constexpr, HAS_G: tl.constexpr, DEN: tl.constexpr, HAS_VC: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        num = cw * w
+        if HAS_M:
+            num += cm * tl.load(m_ptr + offs, mask=mask, other=0.0)
+        if HAS_G:
+            num += cg * tl.load(g_ptr + offs, mask=mask, other=0.0)
+        if DEN == 1:
+            var = tl.load(v_ptr + offs, mask=mask, other=1.0)
+            if HAS_VC:
+                vc = tl.load(vc_ptr + offs, mask=mask, other=0.0)
+                var = var - vc * vc
+            num = num / (dscale * tl.sqrt(var) + eps)
+        elif DEN == 2:
+            num = num / tl.load(v_ptr + offs, mask=mask, other=1.0)
+        res = w - scale * (num + lam * w)
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _adam_kernel(w_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, out_ptr, n,
+                     beta1, beta2, eps, sign, wd_coupled, decay, step_size, bc2_sqrt, pred_scale, pred_lam,
+                     AMSGRAD: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        grad = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        g = sign * grad + wd_coupled * w
+        w = w * decay
+        weight = 1.0 - beta1
+        if weight < 0.5:  # torch's lerp, exact at both ends
+            m = m + weight * (g - m)
+        else:
+            m = g - (g - m) * (1.0 - weight)
+        v = v * beta2 + (1.0 - beta2) * (g * g)
+        vhat = v
+        if AMSGRAD:
+            vmax = tl.maximum(tl.load(vmax_ptr + offs, mask=mask, other=0.0), v)
+            tl.store(vmax_ptr + offs, vmax, mask=mask)
+            vhat = vmax
+        denom = tl.sqrt(vhat) / bc2_sqrt + eps
+        direction = m / denom
+        w = w - step_size * direction
+        tl.store(w_ptr + offs, w, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        res = w - pred_scale * direction - pred_lam * w
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _sgd_kernel(w_ptr, g_ptr, buf_ptr, out_ptr, n, lr, momentum, dampening, wd, sign, pred_scale,
+                    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FIRST: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        grad = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        d = sign * grad + wd * w
+        update = d
+        if HAS_MOMENTUM:
+            if FIRST:
+                buf = d
+            else:
+                buf = tl.load(buf_ptr + offs, mask=mask, other=0.0) * momentum + (1.0 - dampening) * d
+            tl.store(buf_ptr + offs, buf, mask=mask)
+            if NESTEROV:
+                update = d + momentum * buf
+            else:
+                update = buf
+        w = w - lr * update
+        tl.store(w_ptr + offs, w, mask=mask)
+        if HAS_MOMENTUM and not NESTEROV:
+            direction = buf
+        else:
+            direction = sign * grad + wd * w
+            if HAS_MOMENTUM:
+                direction += momentum * buf
+        res = w - pred_scale * direction
+        tl.store(out_ptr + offs, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int, block: int):
+    return (triton.cdiv(n, block),)
+
+
+def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+    n, block = w.numel(), _block(w.numel())
+    dummy = w  # never read when its flag is off
+    _predict_kernel[_grid(n, block)](
+        w, plan.m if plan.m is not None else dummy, plan.g if plan.g is not None else dummy,
+        plan.v if plan.v is not None else dummy, plan.vc if plan.vc is not None else dummy, out, n,
+        plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam,
+        HAS_M=plan.m is not None, HAS_G=plan.g is not None,
+        DEN=plan.den if plan.den in (DEN_SQRT, DEN_LINEAR) else 0,
+        HAS_VC=plan.vc is not None and plan.den == DEN_SQRT, BLOCK=block)
+
+
+def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    n, block = w.numel(), _block(w.numel())
+    vmax = p.tensors.get("vmax")
+    _adam_kernel[_grid(n, block)](
+        w, grad, p.tensors["m"], p.tensors["v"], vmax if vmax is not None else w, out, n,
+        p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt, p.pred_scale, p.pred_lam,
+        AMSGRAD=vmax is not None, BLOCK=block)
+
+
+def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
+    n, block = w.numel(), _block(w.numel())
+    buf = p.tensors.get("buf")
+    _sgd_kernel[_grid(n, block)](
+        w, grad, buf if buf is not None else w, out, n, p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale,
+        HAS_MOMENTUM=buf is not None, NESTEROV=p.nesterov, FIRST=p.first, BLOCK=block)
