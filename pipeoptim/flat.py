@@ -125,6 +125,7 @@ class FlatGroup:
     params: list[nn.Parameter]
     masters: list[torch.Tensor]
     offsets: list[int]
+    shapes: list[torch.Size]
     w: torch.Tensor
     work: torch.Tensor
     grad: torch.Tensor
@@ -144,8 +145,8 @@ class FlatGroup:
 
     def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
         """Parameter j's slice of a buffer laid out like this group's."""
-        n = self.masters[j].numel()
-        return flat[self.offsets[j]:self.offsets[j] + n].view(self.masters[j].shape)
+        shape = self.shapes[j]
+        return flat[self.offsets[j]:self.offsets[j] + shape.numel()].view(shape)
 
 
 class FlatBinding:
@@ -175,6 +176,7 @@ class FlatBinding:
         self._by_param = {id(m): (g, j) for g in self.groups for j, m in enumerate(g.masters)}
         self._state_dirty = True
         self._grads_synced = False
+        self._step_cache: dict[int, int] = {}  # group id -> torch's step count, valid until the next step/load
         self._before_step: list[Callable[[], None]] = []
         self._after_step: list[Callable[[], None]] = []
         self.rehome_state()
@@ -223,15 +225,13 @@ class FlatBinding:
                 if p in optimizer.state:
                     optimizer.state[m] = optimizer.state.pop(p)
         g = FlatGroup(index=index, rule=rule, names=[n for n, _ in items], params=params, masters=masters,
-                      offsets=offsets, w=w, work=work, grad=grad, master_grad=master_grad)
+                      offsets=offsets, shapes=[p.shape for p in params], w=w, work=work, grad=grad, master_grad=master_grad)
         for j, (p, m) in enumerate(zip(params, masters)):
             m.data = g.view(w, j)
             m.grad = g.view(master_grad, j)
             if working_dtype is not None:
                 p.data = g.view(work, j)
                 p.grad = g.view(grad, j)
-        if needs_last_grad(rule, group):
-            g.last_grad = torch.zeros(total, dtype=dtype, device=device)
         self._create_state(g, group)
         return g
 
@@ -316,6 +316,14 @@ class FlatBinding:
                     if m.grad is None or not _same_view(m.grad, g.view(g.master_grad, j)):
                         m.grad = g.view(g.master_grad, j)
 
+    def keep_last_grad(self) -> None:
+        """Keep a copy of each step's gradient where the group's rule reads it (`state['grad']` of the
+        kernels): torch.optim does not keep it and the gradient buffer is zeroed after the step. Until the
+        next step the copy is zero."""
+        for g in self.groups:
+            if g.last_grad is None and needs_last_grad(g.rule, self.group_hparams(g)):
+                g.last_grad = torch.zeros_like(g.w)
+
     def zero_grad(self) -> None:
         """Zero the flat gradient buffers (one op per group), keeping the .grad views."""
         for g in self.groups:
@@ -365,6 +373,7 @@ class FlatBinding:
             fn()
 
     def _post_step(self) -> None:
+        self._step_cache.clear()
         self.version += 1
         self._grads_synced = False
         for g in self.groups:
@@ -380,6 +389,7 @@ class FlatBinding:
             fn()
 
     def _after_load(self) -> None:
+        self._step_cache.clear()
         self._state_dirty = True
         self.rehome_state()
         for g in self.groups:
@@ -402,6 +412,9 @@ class FlatBinding:
         step = g.scalars.get("step")
         if step is None:
             return g.steps_taken
+        key = id(g)
+        if key in self._step_cache:
+            return self._step_cache[key]
         lo, hi = step.aminmax()
         lo, hi = int(lo.item()), int(hi.item())
         if lo != hi:
@@ -409,6 +422,7 @@ class FlatBinding:
             raise ValueError(f"parameters of one group have taken different numbers of optimizer steps ({lo} to "
                              f"{hi}; behind: {', '.join(names[:5])}). Prediction uses one step count per group: "
                              "give every parameter a gradient at every step (binding.zero_grad() does).")
+        self._step_cache[key] = hi
         return hi
 
     def state_for_kernel(self, g: FlatGroup) -> dict:

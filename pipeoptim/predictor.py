@@ -123,6 +123,8 @@ class Predictor:
         self.binding, self.saved, self.mechanism = binding, saved, mechanism
         self.mode, self.backend = mode, backend
         self.direction = direction or self._own_direction
+        if direction is None:
+            binding.keep_last_grad()
         # "pointer"/"swap": the prediction; "inplace": the stash of the real weights.
         self.buffers = [torch.empty_like(g.work) for g in binding.groups]
         if mechanism == "pointer":

@@ -1,0 +1,175 @@
+"""The one interface between a pipeline executor and the way a stage treats its weights.
+
+An asynchronous pipeline runs, on each stage, forwards and backwards of several micro-batches whose
+optimizer steps interleave. What weights a forward reads, what weights its backward reads and when the
+optimizer steps is the *weight policy*: naive async, PipeDream's stashing, 2BW's double buffering,
+SpecTrain's and PipeOptim's predictions. The executor codes against `WeightPolicy` only:
+
+    policy = make_policy("pipeoptim", stage, optimizer)           # or "none", "stash", "2bw", "spectrain"
+    ...
+    with policy.forward(mb, s=s_fwd):                              # s: steps until mb's backward (schedule)
+        y = stage(x)
+    ...
+    with policy.backward(mb, s=s_bwd):                             # s_bwd: SpecTrain's backward look-ahead
+        torch.autograd.backward(y, dy)
+    if policy.should_step():                                       # every `update_every` backwards
+        # executor's business here: all-reduce / clip / unscale `policy.binding` grads, agree on overflow
+        policy.step(next_s=s_of_next_forward, skip=found_inf)      # zeroes the grads
+
+Rules for the executor:
+- `mb` is any hashable id, unique among micro-batches in flight on this stage; every forward under
+  grad mode needs exactly one backward (`policy.discard(mb)` drops one that will never run backward).
+- Forwards and backwards on one stage never overlap in time (they may interleave freely).
+- s values are inputs; the schedule computes them (DESIGN.md §2). `s` may be fractional.
+- Only `policy.step()` should step the optimizer while forwards are in flight (it knows about stashes
+  and fused predictions); LR schedulers may change the lr at any time between calls.
+- `extra_weight_bytes()` is the memory the policy holds beyond the model, its gradients and the
+  optimizer's own state; `memory_report()` splits it by purpose.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, ClassVar, Hashable, Iterator
+
+import torch
+from torch import nn
+
+from ..flat import FlatBinding, bind
+from ..predictor import SavedWeights
+
+
+class WeightPolicy:
+    """Base class: naive asynchronous semantics (forward and backward read the weights real at their time).
+
+    Subclasses override the three decisions: `_forward_weights` (what the forward reads),
+    `_resolve` (what a saved weight reads at backward) and `_backward_weights` (set-up around a
+    backward), plus `memory_report`.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, update_every: int = 1,
+                 working_dtype: torch.dtype | None = None, binding: FlatBinding | None = None):
+        if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+            raise ValueError(f"update_every must be a positive int (micro-batches per optimizer step), "
+                             f"got {update_every!r}")
+        if binding is None:
+            binding = getattr(optimizer, "_pipeoptim_binding", None)
+        if binding is None:
+            binding = bind(module, optimizer, working_dtype=working_dtype)
+        elif binding.module is not module or binding.optimizer is not optimizer:
+            raise ValueError("binding= belongs to another module or optimizer; pass the binding made for this one")
+        elif working_dtype is not None and binding.working_dtype != working_dtype:
+            raise ValueError(f"the optimizer is already bound with working_dtype={binding.working_dtype}; "
+                             f"cannot use working_dtype={working_dtype}")
+        self.module, self.optimizer, self.binding = module, optimizer, binding
+        self.update_every = update_every
+        self.saved = SavedWeights(binding)
+        self._in_flight: dict[Hashable, Any] = {}
+        self._backwards = 0  # since the last step
+
+    # ---- the interface ----------------------------------------------------------------------------
+
+    @contextmanager
+    def forward(self, mb: Hashable, s: float = 0) -> Iterator[None]:
+        """Run micro-batch `mb`'s forward inside. `s`: optimizer steps this stage will take before mb's
+        backward (used by predicting policies; others ignore it)."""
+        _check_s(s)
+        if mb in self._in_flight:
+            raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
+                             "policy.discard(mb)) before reusing the id")
+        tag = self._forward_tag(mb, s)
+        with self.saved.hooks(tag, self._resolve), self._forward_weights(mb, s):
+            yield
+        if torch.is_grad_enabled():
+            self._in_flight[mb] = tag
+
+    @contextmanager
+    def backward(self, mb: Hashable, s: float = 0) -> Iterator[None]:
+        """Run micro-batch `mb`'s backward inside. `s`: SpecTrain's backward look-ahead; others ignore it."""
+        _check_s(s)
+        if mb not in self._in_flight:
+            raise ValueError(f"micro-batch {mb!r} has no forward in flight on this stage (in flight: "
+                             f"{list(self._in_flight)[:8]}); call backward once per forward")
+        with self._backward_weights(mb, s):
+            yield
+        self._release(mb, self._in_flight.pop(mb))
+        self._backwards += 1
+        self.binding.grads_changed()
+
+    def should_step(self) -> bool:
+        """True once `update_every` backwards have run since the last step."""
+        return self._backwards >= self.update_every
+
+    def step(self, *, next_s: float | None = None, skip: bool = False) -> bool:
+        """Step the optimizer on the accumulated gradients, then zero them. Returns whether it stepped.
+
+        `skip=True` (e.g. found inf/nan): no update, nothing of the weights, state or predictions changes;
+        the gradients are dropped. `next_s`: the s of this stage's next forward, if known; a predicting
+        policy may then produce that prediction in the same pass as the step."""
+        if next_s is not None:
+            _check_s(next_s)
+        stepped = False
+        if not skip:
+            self._apply_step(next_s)
+            stepped = True
+        self.binding.zero_grad()
+        self._backwards = 0
+        return stepped
+
+    def discard(self, mb: Hashable) -> None:
+        """Forget micro-batch `mb`'s forward (its backward will never run)."""
+        if mb in self._in_flight:
+            self._release(mb, self._in_flight.pop(mb))
+
+    @property
+    def in_flight(self) -> tuple:
+        """Micro-batches forwarded and not yet backwarded, in forward order."""
+        return tuple(self._in_flight)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held beyond the model, its gradients and the optimizer state, by purpose."""
+        return {}
+
+    def extra_weight_bytes(self) -> int:
+        return sum(self.memory_report().values())
+
+    def close(self) -> None:
+        """Remove the policy's hooks (the binding stays)."""
+
+    # ---- what subclasses decide --------------------------------------------------------------------
+
+    def _forward_tag(self, mb: Hashable, s: float) -> Any:
+        """What a saved weight remembers of its forward, passed back to `_resolve` at backward."""
+        return None
+
+    @contextmanager
+    def _forward_weights(self, mb: Hashable, s: float) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def _backward_weights(self, mb: Hashable, s: float) -> Iterator[None]:
+        yield
+
+    def _resolve(self, group: int, tag: Any) -> torch.Tensor:
+        """The flat buffer a weight saved in a forward reads at backward time (default: the real weights)."""
+        return self.binding.groups[group].work
+
+    def _release(self, mb: Hashable, tag: Any) -> None:
+        """mb's backward is done (or it was discarded)."""
+
+    def _apply_step(self, next_s: float | None) -> None:
+        self.optimizer.step()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"
+
+
+def _check_s(s: object) -> None:
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s == float("inf"):
+        raise ValueError(f"s must be a finite number >= 0 (optimizer steps between a forward and its backward), "
+                         f"got {s!r}")
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
