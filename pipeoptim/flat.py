@@ -378,6 +378,8 @@ class FlatBinding:
         self._grads_synced = False
         for g in self.groups:
             g.steps_taken += 1
+        if self.rule not in pk.BUILTIN_RULES:
+            self._state_dirty = True  # an optimizer we do not know may replace its state tensors at any step
         self.rehome_state()
         with torch.no_grad():
             for g in self.groups:
