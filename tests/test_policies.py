@@ -1,0 +1,356 @@
+"""Tests of pipeoptim.policies: what each policy's forwards and backwards read, when it steps, and that
+its memory report matches the buffers it holds.
+
+Each backward is checked against a hand-written backward (tests/test_predictor.py's models) fed with
+the weights the policy should have used: forward weights and backward weights are worked out here
+from the policy's definition (DESIGN.md §3), from the optimizer's state, independently of the code.
+"""
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+
+from pipeoptim.policies import POLICIES, WeightPolicy, make_policy, register_policy
+from test_predictor import MLP, XWT, params64, reference_prediction
+
+O = torch.optim
+
+
+def build(policy, model_cls=XWT, opt=lambda p: O.AdamW(p, lr=2e-2, weight_decay=0.05), seed=0, warm=1, **options):
+    """A model, its optimizer and policy, after `warm` plain steps (so that predictions are active)."""
+    torch.manual_seed(seed)
+    model = model_cls()
+    optimizer = opt(model.parameters())
+    pol = make_policy(policy, model, optimizer, **options)
+    gen = torch.Generator().manual_seed(seed + 100)
+    last = {}
+    for _ in range(warm):
+        model(torch.randn(model_cls.example().shape, generator=gen)).pow(2).mean().backward()
+        last = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        pol.step()
+    return model, optimizer, pol, last
+
+
+class Flight:
+    """One micro-batch: its input, output, output gradient and the weights its forward read."""
+
+    def __init__(self, model, pol, mb, s, forward_weights, gen):
+        self.x = type(model).example().requires_grad_(True)
+        with pol.forward(mb, s=s):
+            self.y = model(self.x)
+        self.mb, self.wf = mb, forward_weights
+        self.gy = torch.randn(self.y.shape, generator=gen)
+
+    def backward_and_check(self, model, pol, backward_weights, s=0):
+        before = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        with pol.backward(self.mb, s=s):
+            self.y.backward(self.gy)
+        gx, grads = type(model).manual(self.x.detach().double(), self.gy.double(), self.wf, backward_weights)
+        assert torch.allclose(self.x.grad.double(), gx, atol=1e-5), (self.x.grad.double() - gx).abs().max()
+        for n, p in model.named_parameters():
+            added = p.grad.double() - before[n]
+            assert torch.allclose(added, grads[n], atol=1e-5), (n, (added - grads[n]).abs().max())
+
+
+def smoothed(optimizer, model, s):
+    """SpecTrain's ŵ = w − s·lr·v with v the Adam family's exp_avg."""
+    lr = optimizer.param_groups[0]["lr"]
+    return {n: p.detach().double() - s * lr * optimizer.state[p]["exp_avg"].double() for n, p in model.named_parameters()}
+
+
+# ---- the executor's view -------------------------------------------------------------------------------
+
+
+def test_registry_names_and_errors():
+    assert set(POLICIES) == {"none", "stash", "2bw", "spectrain", "pipeoptim"}
+    model = XWT()
+    with pytest.raises(ValueError, match="none, stash, 2bw, spectrain, pipeoptim"):
+        make_policy("gpipe", model, O.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy(POLICIES["none"])
+
+
+def test_custom_policy_can_be_registered():
+    class Frozen(WeightPolicy):
+        name = "test_frozen"
+
+        def _apply_step(self, next_s):
+            pass
+
+    try:
+        register_policy(Frozen)
+        model = XWT()
+        pol = make_policy("test_frozen", model, O.SGD(model.parameters(), lr=0.1))
+        assert isinstance(pol, Frozen)
+    finally:
+        POLICIES.pop("test_frozen", None)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_contract_errors(name):
+    model, optimizer, pol, _ = build(name, update_every=4) if name == "2bw" else build(name)
+    with pol.forward("a", s=1):
+        model(XWT.example())
+    with pytest.raises(ValueError, match="already in flight"):
+        with pol.forward("a", s=1):
+            pass
+    with pytest.raises(ValueError, match="no forward in flight"):
+        with pol.backward("b"):
+            pass
+    with pytest.raises(ValueError, match="s must be"):
+        with pol.forward("c", s=-1):
+            pass
+    assert pol.in_flight == ("a",)
+    pol.discard("a")
+    assert pol.in_flight == ()
+
+
+def test_2bw_needs_update_every():
+    model = XWT()
+    with pytest.raises(TypeError, match="update_every"):
+        make_policy("2bw", model, O.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="update_every"):
+        make_policy("pipeoptim", model, O.SGD(model.parameters(), lr=0.1), update_every=0)
+
+
+def test_forward_under_no_grad_is_not_left_in_flight():
+    model, optimizer, pol, _ = build("stash")
+    with torch.no_grad(), pol.forward(0, s=2):
+        model(XWT.example())
+    assert pol.in_flight == ()
+
+
+# ---- what forwards and backwards read: three micro-batches in flight --------------------------------------------
+
+
+@pytest.mark.parametrize("model_cls", [XWT, MLP])
+@pytest.mark.parametrize("name", ["none", "stash", "pipeoptim", "spectrain"])
+def test_three_in_flight_each_backward_reads_what_the_policy_defines(name, model_cls):
+    """F0(s=3) F1(s=2) F2(s=1), then B0 step B1 step B2 step (SpecTrain's backward look-ahead s_b = 1)."""
+    model, optimizer, pol, last = build(name, model_cls=model_cls)
+    gen = torch.Generator().manual_seed(7)
+    flights = []
+    for mb, s in enumerate((3.0, 2.0, 1.0)):
+        if name == "pipeoptim":
+            wf = {n: reference_prediction(optimizer, p, last[n], s) for n, p in model.named_parameters()}
+        elif name == "spectrain":
+            wf = smoothed(optimizer, model, s)
+        else:
+            wf = params64(model)
+        flights.append(Flight(model, pol, mb, s, wf, gen))
+    if name in ("pipeoptim", "spectrain"):
+        assert not torch.allclose(*(next(iter(f.wf.values())) for f in flights[:2]))
+    for f in flights:
+        s_back = 1.0 if name == "spectrain" else 0
+        if name == "stash":
+            wb = f.wf
+        elif name == "spectrain":
+            wb = smoothed(optimizer, model, s_back)
+        else:
+            wb = params64(model)
+        f.backward_and_check(model, pol, wb, s=s_back)
+        assert pol.should_step()
+        assert pol.step()
+
+
+def test_2bw_accumulates_m_microbatches_with_two_versions():
+    """1F1B with 3 in flight and m = 4: one update per 4 backwards, each backward reads its forward's
+    version, at most one stashed copy; the update is plain SGD on the sum of the batch's gradients."""
+    model, optimizer, pol, _ = build("2bw", opt=lambda p: O.SGD(p, lr=0.05), update_every=4)
+    gen = torch.Generator().manual_seed(3)
+    flights, done, updates = {}, 0, 0
+    order = ["F0", "F1", "F2"] + [a for k in range(3, 12) for a in (f"B{k - 3}", f"F{k}")] + ["B9", "B10", "B11"]
+    accumulated = None
+    for action in order:
+        mb = int(action[1:])
+        if action[0] == "F":
+            flights[mb] = Flight(model, pol, mb, 0, params64(model), gen)
+            continue
+        f = flights.pop(mb)
+        f.backward_and_check(model, pol, f.wf)
+        done += 1
+        assert len(pol._stashes) <= 1
+        if pol.should_step():
+            accumulated = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            assert pol.step()
+            updates += 1
+            for n, p in model.named_parameters():
+                assert torch.allclose(p.detach(), before[n] - 0.05 * accumulated[n], atol=1e-6)
+    assert done == 12 and updates == 3 and accumulated is not None
+
+
+def test_2bw_refuses_a_third_version_before_changing_anything():
+    model, optimizer, pol, _ = build("2bw", opt=lambda p: O.SGD(p, lr=0.05), update_every=1)
+    gen = torch.Generator().manual_seed(0)
+    flights = [Flight(model, pol, mb, 0, params64(model), gen) for mb in range(2)]
+    flights[0].backward_and_check(model, pol, flights[0].wf)
+    pol.step()  # version 1 is stashed for F1
+    flights.append(Flight(model, pol, 2, 0, params64(model), gen))  # F1 (version 1) and F2 (version 2) in flight
+    model(XWT.example()).sum().backward()  # a gradient, so the step would change w
+    before = params64(model)
+    version = pol.binding.version
+    with pytest.raises(RuntimeError, match="third weight version"):
+        pol.step()
+    assert pol.binding.version == version
+    assert all(torch.equal(p.detach().double(), before[n]) for n, p in model.named_parameters())
+
+
+def test_spectrain_keeps_its_own_average_for_optimizers_without_one():
+    model, optimizer, pol, last = build("spectrain", model_cls=MLP, opt=lambda p: O.RMSprop(p, lr=1e-2), warm=0)
+    gen = torch.Generator().manual_seed(1)
+    ema = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()}
+    for _ in range(3):
+        model(MLP.example()).pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            ema[n] = 0.9 * ema[n] + 0.1 * p.grad.double()
+        pol.step()
+    x = MLP.example()
+    expected = {n: p.detach().double() - 2.0 * 1e-2 * ema[n] for n, p in model.named_parameters()}
+    with torch.no_grad(), pol.forward(0, s=2.0):
+        y = model(x)
+    a1 = torch.tanh(x.double() @ expected["net.0.weight"].T + expected["net.0.bias"])
+    assert torch.allclose(y.double(), a1 @ expected["net.2.weight"].T + expected["net.2.bias"], atol=1e-5)
+    assert pol.memory_report()["smoothed_grad"] == sum(p.numel() * 4 for p in model.parameters())
+    del gen
+
+
+@pytest.mark.parametrize("opt", [lambda p: O.Adam(p, lr=1e-2), lambda p: O.SGD(p, lr=0.05, momentum=0.9)])
+def test_pipeoptim_fused_step_trains_like_the_unfused_one(opt):
+    runs = []
+    for fused in (False, True):
+        model, optimizer, pol, _ = build("pipeoptim", model_cls=MLP, opt=opt, warm=0, fused=fused)
+        gen = torch.Generator().manual_seed(5)
+        outs = []
+        for k in range(4):
+            with pol.forward(k, s=1.0):
+                y = model(torch.randn(5, 6, generator=gen))
+            with pol.backward(k):
+                y.pow(2).mean().backward()
+            outs.append(y.detach())
+            pol.step(next_s=1.0)
+        runs.append((params64(model), outs))
+    (w0, o0), (w1, o1) = runs
+    assert all(torch.allclose(w0[n], w1[n], atol=1e-6) for n in w0)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(o0, o1))
+
+
+def test_pipeoptim_paper_and_exact_modes_differ_for_adamw():
+    outs = []
+    for mode in ("paper", "exact"):
+        model, optimizer, pol, _ = build("pipeoptim", mode=mode, opt=lambda p: O.AdamW(p, lr=0.1, weight_decay=0.5))
+        with torch.no_grad(), pol.forward(0, s=3.0):
+            outs.append(model(torch.ones(2, 6)))
+    assert not torch.allclose(*outs)
+
+
+@pytest.mark.parametrize("working_dtype", [None, torch.bfloat16])
+def test_skipped_step_changes_nothing(working_dtype):
+    model, optimizer, pol, last = build("pipeoptim", model_cls=MLP, opt=lambda p: O.NAdam(p, lr=1e-2), warm=0,
+                                        working_dtype=working_dtype)
+    x = MLP.example().to(working_dtype or torch.float32)
+    for _ in range(2):
+        model(x).float().pow(2).mean().backward()
+        pol.step()
+    with torch.no_grad(), pol.forward(0, s=2.0):
+        before_out = model(x)
+    weights = params64(model)
+    first_master = optimizer.param_groups[0]["params"][0]
+    state = {k: v.clone() for k, v in optimizer.state[first_master].items()}
+    version = pol.binding.version
+    with pol.forward(1, s=2.0):
+        y = model(x)
+    with pol.backward(1):
+        (y * float("inf")).sum().backward()  # an overflow: the executor finds inf and skips
+    assert pol.step(skip=True) is False
+    assert pol.binding.version == version
+    assert all(torch.equal(p.detach().double(), weights[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(v, optimizer.state[first_master][k]) for k, v in state.items())
+    assert all((p.grad == 0).all() for p in model.parameters())
+    with torch.no_grad(), pol.forward(2, s=2.0):
+        assert torch.equal(model(x), before_out)
+
+
+# ---- memory: the report matches what the policy holds ------------------------------------------------------------
+
+
+def held_extra_bytes(pol):
+    """Bytes of tensor storage reachable from the policy, beyond the model's weights, grads and optimizer state."""
+    b = pol.binding
+    model_storages = set()
+    for g in b.groups:
+        for t in [g.w, g.work, g.grad, g.master_grad, *g.state.values(), *g.scalars.values()]:
+            model_storages.add(t.untyped_storage()._cdata)
+    stop = {id(pol.module), id(pol.optimizer)}
+    seen, stack, found = set(), [pol], {}
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or id(o) in stop or isinstance(o, (type, types.ModuleType)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            found[st._cdata] = st.nbytes()
+        elif isinstance(o, types.FunctionType):
+            stack.extend(c.cell_contents for c in (o.__closure__ or ()))
+        elif isinstance(o, types.MethodType):
+            stack.append(o.__self__)
+        else:
+            stack.extend(gc.get_referents(o))
+    return sum(n for key, n in found.items() if key not in model_storages)
+
+
+@pytest.mark.parametrize("working_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_memory_report_matches_what_the_policy_holds(name, working_dtype):
+    options = {"update_every": 2} if name == "2bw" else {}
+    model, optimizer, pol, _ = build(name, model_cls=MLP, opt=lambda p: O.SGD(p, lr=0.05), warm=0,
+                                     working_dtype=working_dtype, **options)
+    dtype = working_dtype or torch.float32
+    x = MLP.example().to(dtype)
+    flights = {}
+    reports = []
+    for k in range(6):  # 1F1B with two in flight; the stash holds a version while B(k-1) is pending
+        with pol.forward(k, s=1.0):
+            flights[k] = model(x)
+        if k >= 1:
+            with pol.backward(k - 1):
+                flights.pop(k - 1).float().pow(2).mean().backward()
+            if pol.should_step():
+                pol.step()
+        assert pol.extra_weight_bytes() == held_extra_bytes(pol)
+        reports.append(pol.extra_weight_bytes())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # working dtype
+    fp32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # one copy of the working weights (stash or prediction), plus for SGD without momentum SpecTrain's own
+    # fp32 gradient average and PipeOptim's fp32 copy of the last gradient
+    expected = {"none": 0, "stash": weight_bytes, "2bw": weight_bytes, "spectrain": weight_bytes + fp32_bytes,
+                "pipeoptim": weight_bytes + fp32_bytes}[name]
+    assert reports[-1] == expected, pol.memory_report()
+
+
+def test_stash_holds_one_copy_per_stale_version_in_flight():
+    model, optimizer, pol, _ = build("stash", model_cls=MLP, opt=lambda p: O.SGD(p, lr=0.05), warm=0)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    outs = {}
+    for k in range(3):  # warm-up: three forwards at version 0
+        with pol.forward(k):
+            outs[k] = model(MLP.example())
+    for k in range(3, 6):  # steady 1F1B: each step leaves another version behind
+        with pol.backward(k - 3):
+            outs.pop(k - 3).sum().backward()
+        pol.step()
+        with pol.forward(k):
+            outs[k] = model(MLP.example())
+        versions = set(pol._in_flight.values()) - {pol.binding.version}
+        assert len(pol._stashes) == len(versions)
+    assert pol.memory_report()["stash"] == 2 * weight_bytes
+    for k in range(3, 6):
+        with pol.backward(k):
+            outs.pop(k).sum().backward()
+    assert pol._stashes == {} and pol.extra_weight_bytes() == held_extra_bytes(pol)
+    pol.trim()
+    assert pol.extra_weight_bytes() == 0 == held_extra_bytes(pol)
