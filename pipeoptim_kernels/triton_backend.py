@@ -8,6 +8,7 @@ where the GPU rounds: tests allow one bf16 ulp on this path.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -29,9 +30,7 @@ def available() -> bool:
 
 
 def _block(n: int) -> int:
-    if interpreting():
-        return 65536
-    return 1024
+    return 65536 if interpreting() else 1024
 
 
 if triton is not None:
@@ -127,30 +126,52 @@ def _grid(n: int, block: int):
     return (triton.cdiv(n, block),)
 
 
-def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+# The launches are torch.library custom ops (with fake implementations) so that torch.compile can
+# trace through them; the argument lists mirror the compiled extension's ops.
+
+@torch.library.custom_op("pipeoptim::triton_predict_", mutates_args=("out",))
+def _predict_op(w: torch.Tensor, m: Optional[torch.Tensor], g: Optional[torch.Tensor], v: Optional[torch.Tensor],
+                vc: Optional[torch.Tensor], out: torch.Tensor, den: int, coeffs: list[float]) -> None:
     n, block = w.numel(), _block(w.numel())
-    dummy = w  # never read when its flag is off
+    scale, cm, cg, cw, dscale, eps, lam = coeffs
     _predict_kernel[_grid(n, block)](
-        w, plan.m if plan.m is not None else dummy, plan.g if plan.g is not None else dummy,
-        plan.v if plan.v is not None else dummy, plan.vc if plan.vc is not None else dummy, out, n,
-        plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam,
-        HAS_M=plan.m is not None, HAS_G=plan.g is not None,
-        DEN=plan.den if plan.den in (DEN_SQRT, DEN_LINEAR) else 0,
-        HAS_VC=plan.vc is not None and plan.den == DEN_SQRT, BLOCK=block)
+        w, m if m is not None else w, g if g is not None else w, v if v is not None else w,
+        vc if vc is not None else w, out, n, scale, cm, cg, cw, dscale, eps, lam,
+        HAS_M=m is not None, HAS_G=g is not None, DEN=den,
+        HAS_VC=vc is not None and den == DEN_SQRT, BLOCK=block)
+
+
+@torch.library.custom_op("pipeoptim::triton_adam_step_predict_", mutates_args=("w", "m", "v", "vmax", "out"))
+def _adam_op(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, vmax: Optional[torch.Tensor],
+             out: torch.Tensor, coeffs: list[float]) -> None:
+    n, block = w.numel(), _block(w.numel())
+    _adam_kernel[_grid(n, block)](w, grad, m, v, vmax if vmax is not None else w, out, n, *coeffs,
+                                  AMSGRAD=vmax is not None, BLOCK=block)
+
+
+@torch.library.custom_op("pipeoptim::triton_sgd_step_predict_", mutates_args=("w", "buf", "out"))
+def _sgd_op(w: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor], out: torch.Tensor, nesterov: bool,
+            first: bool, coeffs: list[float]) -> None:
+    n, block = w.numel(), _block(w.numel())
+    _sgd_kernel[_grid(n, block)](w, grad, buf if buf is not None else w, out, n, *coeffs,
+                                 HAS_MOMENTUM=buf is not None, NESTEROV=nesterov, FIRST=first, BLOCK=block)
+
+
+for _op in (_predict_op, _adam_op, _sgd_op):
+    _op.register_fake(lambda *args, **kwargs: None)
+
+
+def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
+    coeffs = [plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam]
+    den = plan.den if plan.den in (DEN_SQRT, DEN_LINEAR) else 0
+    _predict_op(w, plan.m, plan.g, plan.v, plan.vc, out, den, coeffs)
 
 
 def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-    n, block = w.numel(), _block(w.numel())
-    vmax = p.tensors.get("vmax")
-    _adam_kernel[_grid(n, block)](
-        w, grad, p.tensors["m"], p.tensors["v"], vmax if vmax is not None else w, out, n,
-        p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt, p.pred_scale, p.pred_lam,
-        AMSGRAD=vmax is not None, BLOCK=block)
+    coeffs = [p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt, p.pred_scale, p.pred_lam]
+    _adam_op(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out, coeffs)
 
 
 def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-    n, block = w.numel(), _block(w.numel())
-    buf = p.tensors.get("buf")
-    _sgd_kernel[_grid(n, block)](
-        w, grad, buf if buf is not None else w, out, n, p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale,
-        HAS_MOMENTUM=buf is not None, NESTEROV=p.nesterov, FIRST=p.first, BLOCK=block)
+    coeffs = [p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale]
+    _sgd_op(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)

@@ -2,6 +2,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PIPEOPTIM_STREAM_WIDTH 32
+#else
+#define PIPEOPTIM_STREAM_WIDTH 0
+#endif
+
 #include "entry_points.h"
 
 #if defined(__x86_64__)

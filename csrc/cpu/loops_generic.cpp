@@ -2,6 +2,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#define PIPEOPTIM_STREAM_WIDTH 0
+
 #include "entry_points.h"
 
 // The baseline target of the build: no target pragma.

@@ -1,0 +1,77 @@
+"""Backend selection, the compiled extension's build, and the ops under torch.compile."""
+import pytest
+import torch
+
+import pipeoptim_kernels as pk
+from pipeoptim_kernels import compiled, rules
+
+N = 4097
+GROUP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+
+
+def _adam(gen):
+    w = torch.randn(N, generator=gen)
+    return w, {"exp_avg": torch.randn(N, generator=gen), "exp_avg_sq": torch.rand(N, generator=gen)}
+
+
+def test_auto_picks_the_compiled_cpu_backend_for_fp32(monkeypatch, gen):
+    w, state = _adam(gen)
+    calls = []
+    monkeypatch.setitem(pk._PREDICT, "cpu", lambda plan, w, out: calls.append("cpu") or compiled.predict(plan, w, out))
+    pk.predict("adam", w, state, GROUP, step=2, s=1, out=torch.empty(N))
+    assert calls == ["cpu"]
+
+
+def test_auto_falls_back_to_eager_where_compiled_cannot_run(monkeypatch, gen):
+    w, state = _adam(gen)
+    calls = []
+    monkeypatch.setitem(pk._PREDICT, "eager", lambda plan, w, out: calls.append("eager"))
+    w64 = w.double()
+    pk.predict("adam", w64, {k: v.double() for k, v in state.items()}, GROUP, step=2, s=1, out=torch.empty(N, dtype=torch.float64))
+    assert calls == ["eager"]
+
+
+def test_extension_reports_its_build():
+    module = compiled.load()
+    assert module is not None
+    assert compiled.cpu_isa() in ("avx512", "avx2", "generic")
+    # CI builds against the CUDA build of torch with nvcc present: the CUDA kernels must be compiled in.
+    if torch.version.cuda is not None and pk._build.want_cuda():
+        assert module.with_cuda, "torch has CUDA and nvcc is present, but the extension was built without CUDA"
+
+
+def _predict_args(gen):
+    w, state = _adam(gen)
+    plan = rules.predict_plan("adam", state, GROUP, 3, 2.0, "exact")
+    coeffs = [plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam]
+    return w, plan, coeffs
+
+
+def test_opcheck_compiled_ops(gen):
+    w, plan, coeffs = _predict_args(gen)
+    torch.library.opcheck(torch.ops.pipeoptim.predict_.default,
+                          (w, plan.m, None, plan.v, None, torch.empty(N), plan.den, coeffs))
+    g = torch.randn(N, generator=gen)
+    adam_coeffs = [0.9, 0.999, 1e-8, 1.0, 0.0, 1.0, 1e-2, 0.03, 2e-2, 0.0]
+    torch.library.opcheck(torch.ops.pipeoptim.adam_step_predict_.default,
+                          (w.clone(), g, torch.zeros(N), torch.zeros(N), None, torch.empty(N), adam_coeffs))
+    torch.library.opcheck(torch.ops.pipeoptim.sgd_step_predict_.default,
+                          (w.clone(), g, torch.zeros(N), torch.empty(N), False, True, [0.1, 0.9, 0.0, 0.0, 1.0, 0.1]))
+
+
+@pytest.mark.parametrize("op", ["pipeoptim::predict_", "pipeoptim::triton_predict_"])
+def test_predict_op_under_torch_compile(op, gen):
+    if op.startswith("pipeoptim::triton") and "triton" not in pk.available_backends():
+        pytest.skip("triton is not installed")
+    w, plan, coeffs = _predict_args(gen)
+    fn = getattr(torch.ops.pipeoptim, op.split("::")[1])
+
+    def forward_weights(w, m, v, out):
+        fn(w, m, None, v, None, out, plan.den, coeffs)
+        return out * 1.0
+
+    compiled_fn = torch.compile(forward_weights, backend="aot_eager", fullgraph=True)
+    got = compiled_fn(w, plan.m, plan.v, torch.full((N,), float("nan")))
+    expect = torch.empty(N)
+    pk.predict("adam", w, {"exp_avg": plan.m, "exp_avg_sq": plan.v}, GROUP, step=3, s=2, out=expect, backend="eager")
+    torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
