@@ -85,6 +85,15 @@ def _resolve_backend(backend: str, w: torch.Tensor, out: torch.Tensor, builtin: 
     return backend
 
 
+def _plan(make, rule, *args):
+    """A plan from the rule table, turning a missing hyperparameter into an error that says which."""
+    try:
+        return make(rule, *args)
+    except KeyError as e:
+        raise ValueError(f"group has no {e.args[0]!r}, which rule {rule!r} needs; pass the optimizer's "
+                         "param_groups[i] as is, or a dict with every hyperparameter of that optimizer") from None
+
+
 _PREDICT = {"eager": eager.predict, "cpu": compiled.predict, "cuda": compiled.predict,
             "triton": triton_backend.predict}
 
@@ -123,7 +132,7 @@ def predict(rule: str, w: torch.Tensor, state: Mapping[str, torch.Tensor], group
         out.copy_(w)
         return out
     if builtin:
-        plan = rules.predict_plan(rule, state, group, step, s, mode)
+        plan = _plan(rules.predict_plan, rule, state, group, step, s, mode)
     elif mode != "exact":
         raise ValueError(f"mode='paper' exists only for {', '.join(PAPER_RULES)}; custom rule {rule!r} has no paper mode")
     if out is None:
@@ -161,13 +170,15 @@ def step_predict(rule: str, w: torch.Tensor, grad: torch.Tensor, state: Mapping[
     check_out(out, w)
     if out is w:
         raise ValueError("out must not be w: w receives the stepped weights and out the prediction")
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of flat buffers named as torch.optim names them, got {type(state).__name__}")
     for name in STATE_ENTRIES[rule]:
         if isinstance(state.get(name), torch.Tensor):
             check_flat(f"state[{name!r}]", state[name], ref=w)
     if rule == "sgd":
-        plan = rules.sgd_step_plan(state, group, step, s)
+        plan = _plan(lambda r, *a: rules.sgd_step_plan(*a), rule, state, group, step, s)
     else:
-        plan = rules.adam_step_plan(rule, state, group, step, s)
+        plan = _plan(rules.adam_step_plan, rule, state, group, step, s)
     check_not_overlapping(out, {"w": w, "grad": grad, **plan.tensors})
     name = _resolve_backend(backend, w, out, True)
     table = {"eager": eager, "cpu": compiled, "cuda": compiled, "triton": triton_backend}[name]

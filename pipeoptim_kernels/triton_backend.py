@@ -29,7 +29,7 @@ def available() -> bool:
     return triton is not None and (interpreting() or torch.cuda.is_available())
 
 
-def _block(n: int) -> int:
+def _block() -> int:
     return 65536 if interpreting() else 1024
 
 
@@ -132,7 +132,7 @@ def _grid(n: int, block: int):
 @torch.library.custom_op("pipeoptim::triton_predict_", mutates_args=("out",))
 def _predict_op(w: torch.Tensor, m: Optional[torch.Tensor], g: Optional[torch.Tensor], v: Optional[torch.Tensor],
                 vc: Optional[torch.Tensor], out: torch.Tensor, den: int, coeffs: list[float]) -> None:
-    n, block = w.numel(), _block(w.numel())
+    n, block = w.numel(), _block()
     scale, cm, cg, cw, dscale, eps, lam = coeffs
     _predict_kernel[_grid(n, block)](
         w, m if m is not None else w, g if g is not None else w, v if v is not None else w,
@@ -144,7 +144,7 @@ def _predict_op(w: torch.Tensor, m: Optional[torch.Tensor], g: Optional[torch.Te
 @torch.library.custom_op("pipeoptim::triton_adam_step_predict_", mutates_args=("w", "m", "v", "vmax", "out"))
 def _adam_op(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, vmax: Optional[torch.Tensor],
              out: torch.Tensor, coeffs: list[float]) -> None:
-    n, block = w.numel(), _block(w.numel())
+    n, block = w.numel(), _block()
     _adam_kernel[_grid(n, block)](w, grad, m, v, vmax if vmax is not None else w, out, n, *coeffs,
                                   AMSGRAD=vmax is not None, BLOCK=block)
 
@@ -152,7 +152,7 @@ def _adam_op(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tens
 @torch.library.custom_op("pipeoptim::triton_sgd_step_predict_", mutates_args=("w", "buf", "out"))
 def _sgd_op(w: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor], out: torch.Tensor, nesterov: bool,
             first: bool, coeffs: list[float]) -> None:
-    n, block = w.numel(), _block(w.numel())
+    n, block = w.numel(), _block()
     _sgd_kernel[_grid(n, block)](w, grad, buf if buf is not None else w, out, n, *coeffs,
                                  HAS_MOMENTUM=buf is not None, NESTEROV=nesterov, FIRST=first, BLOCK=block)
 

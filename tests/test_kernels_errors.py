@@ -46,6 +46,8 @@ PREDICT_CASES = [
     ("fractional step", dict(step=1.5), ValueError, "step must be a non-negative integer"),
     ("group without lr", dict(group={"betas": (0.9, 0.99)}), ValueError, "group has no 'lr'"),
     ("group not a dict", dict(group=0.1), TypeError, "group must be a dict"),
+    ("group without betas", dict(group={"lr": 0.1, "eps": 1e-8}), ValueError, "group has no 'betas'"),
+    ("state not a dict", dict(state=[1, 2]), TypeError, "state must be a dict"),
     ("bad mode", dict(mode="fast"), ValueError, "mode must be 'exact'"),
     ("paper rmsprop", dict(rule="rmsprop", mode="paper"), ValueError, "mode='paper' covers only"),
     ("bad backend", dict(backend="opencl"), ValueError, "unknown backend 'opencl'"),
@@ -67,7 +69,7 @@ def test_predict_rejects_bad_input_before_writing(case):
     w, out, state = args["w"], args["out"], args["state"]
     w_before = w.clone() if isinstance(w, torch.Tensor) else None
     out_before = out.clone()
-    state_before = {k: v.clone() for k, v in state.items()}
+    state_before = {k: v.clone() for k, v in state.items()} if isinstance(state, dict) else {}
     rule = args.pop("rule")
     with pytest.raises(exc, match=pattern):
         pk.predict(rule, args.pop("w"), args.pop("state"), args.pop("group"), **args)
