@@ -365,6 +365,7 @@ class FlatBinding:
         for g in self.groups:
             if "step" in g.scalars:
                 g.scalars["step"].add_(1)
+        self.optimizer._opt_called = True  # what an LR scheduler's wrapper of optimizer.step() records
         self._post_step()
 
     def _pre_step(self) -> None:

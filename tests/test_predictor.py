@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -483,6 +484,19 @@ def test_fused_step_predict_equals_step_then_predict(opt_name, steps_before, mon
     with pred_f.lend(1.0):  # another s: predicted again
         pass
     assert calls
+
+
+def test_fused_step_counts_as_an_optimizer_step_for_lr_schedulers():
+    """Regression: a scheduler warned that lr_scheduler.step() came before optimizer.step() when every step
+    was fused (the scheduler only sees calls of optimizer.step())."""
+    model, optimizer, binding, _, predictor, _ = setup("mlp", "adam", steps=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model(MLP.example()).sum().backward()
+    predictor.step_predict(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-2)
 
 
 # ---- mixed precision ----------------------------------------------------------------------------------------------
