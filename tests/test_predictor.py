@@ -360,12 +360,11 @@ def _check_grads(model, x, gy, wp, wr, binding):
         assert torch.allclose(p.grad.double(), grads_ref[n], atol=1e-5), (n, (p.grad.double() - grads_ref[n]).abs().max())
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
-@pytest.mark.parametrize("model_name", list(MODELS))
-def test_three_microbatches_in_flight_backward_reads_real_weights(mechanism, model_name):
-    """F0(s=3) F1(s=2) F2(s=1), then B0 step B1 step B2 step: each backward is checked against the manual
-    gradient with its own forward's ŵ and the real weights of its backward time."""
-    model, optimizer, binding, saved, predictor, last = setup(model_name, "adamw", mechanism=mechanism)
+def _three_in_flight(model_name, opt_name, mechanism):
+    """F0(s=3) F1(s=2) F2(s=1), then B0 step B1 step B2 step. Each forward's output is checked against a copy
+    of the model loaded with its ŵ, each backward against the manual gradient with that ŵ and the real
+    weights of its backward time."""
+    model, optimizer, binding, saved, predictor, last = setup(model_name, opt_name, mechanism=mechanism)
     gen = torch.Generator().manual_seed(1)
     flights = []
     for s in (3.0, 2.0, 1.0):
@@ -373,6 +372,7 @@ def test_three_microbatches_in_flight_backward_reads_real_weights(mechanism, mod
         wp = predicted_params(model, optimizer, last, s)
         with saved.hooks(None, real_hook(binding)), predictor.lend(s):
             y = model(x)
+        assert torch.allclose(y, loaded_copy(model, wp)(x), atol=1e-5)
         flights.append((x, y, wp, torch.randn(y.shape, generator=gen)))
     first = next(iter(flights[0][2]))
     assert not torch.allclose(flights[0][2][first], flights[1][2][first])  # the three predictions differ
@@ -381,9 +381,21 @@ def test_three_microbatches_in_flight_backward_reads_real_weights(mechanism, mod
         wr = params64(model)
         y.backward(gy)
         _check_grads(model, x, gy, wp, wr, binding)
-        last = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         optimizer.step()
         binding.zero_grad()
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_three_microbatches_in_flight_by_mechanism(mechanism, model_name):
+    _three_in_flight(model_name, "adamw", mechanism)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_three_microbatches_in_flight_by_optimizer(opt_name, model_name):
+    mechanism = MECHANISMS[sorted(OPTIMIZERS).index(opt_name) % len(MECHANISMS)]  # each meets every model
+    _three_in_flight(model_name, opt_name, mechanism)
 
 
 def test_backward_without_hooks_would_see_the_version_error():
