@@ -110,7 +110,7 @@ def _scalar_placement(group: dict, param: torch.Tensor) -> tuple[torch.device, t
     return (param.device if on_device else torch.device("cpu")), _get_scalar_dtype(is_fused=fused)
 
 
-@dataclass
+@dataclass(eq=False)
 class FlatGroup:
     """The flat buffers of one (param group, dtype, device) slice of a bound optimizer.
 
@@ -138,6 +138,11 @@ class FlatGroup:
     @property
     def numel(self) -> int:
         return self.w.numel()
+
+    def __repr__(self) -> str:
+        mixed = f", working {self.work.dtype}" if self.mixed else ""
+        return (f"FlatGroup(param_group={self.index}, rule={self.rule!r}, {len(self.params)} params, {self.numel} "
+                f"elements, {self.w.dtype} on {self.w.device}{mixed}, state={sorted(self.state)})")
 
     @property
     def mixed(self) -> bool:

@@ -354,3 +354,25 @@ def test_stash_holds_one_copy_per_stale_version_in_flight():
     assert pol._stashes == {} and pol.extra_weight_bytes() == held_extra_bytes(pol)
     pol.trim()
     assert pol.extra_weight_bytes() == 0 == held_extra_bytes(pol)
+
+
+@pytest.mark.parametrize("name", ["pipeoptim", "spectrain"])
+def test_predictions_use_each_param_groups_own_lr(name):
+    from test_predictor import loaded_copy
+
+    def two_groups(params):
+        params = list(params)
+        return O.Adam([{"params": params[:2]}, {"params": params[2:], "lr": 5e-2}], lr=1e-2)
+
+    model, optimizer, pol, last = build(name, model_cls=MLP, opt=two_groups, warm=2)
+    assert len(pol.binding.groups) == 2
+    if name == "pipeoptim":
+        expected = {n: reference_prediction(optimizer, p, last[n], 2.0) for n, p in model.named_parameters()}
+    else:
+        lrs = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+        expected = {n: p.detach().double() - 2.0 * lrs[id(p)] * optimizer.state[p]["exp_avg"].double()
+                    for n, p in model.named_parameters()}
+    x = MLP.example()
+    with torch.no_grad(), pol.forward(0, s=2.0):
+        y = model(x)
+    assert torch.allclose(y, loaded_copy(model, expected)(x), atol=1e-5)
