@@ -409,6 +409,46 @@ def test_backward_without_hooks_would_see_the_version_error():
         y.sum().backward()
 
 
+class ZooModel(nn.Module):
+    """Layers that save their weights in different ways: embedding, conv1d, attention, layer norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, tokens):
+        h = self.conv(self.emb(tokens).transpose(1, 2)).transpose(1, 2)
+        return self.norm(self.block(h))
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_every_saved_weight_of_common_layers_is_redirected(mechanism):
+    """With micro-batches in flight the optimizer steps the parameters in place; autograd would raise at
+    backward for any saved alias of a parameter that the hooks had not redirected."""
+    torch.manual_seed(0)
+    model = ZooModel()
+    optimizer = O.AdamW(model.parameters(), lr=1e-2)
+    binding = bind(model, optimizer)
+    saved = SavedWeights(binding)
+    predictor = Predictor(binding, saved, mechanism=mechanism)
+    tokens = torch.randint(0, 11, (2, 5))
+    model(tokens).sum().backward()
+    optimizer.step()
+    binding.zero_grad()
+    outs = []
+    for s in (2.0, 1.0):
+        with saved.hooks(None, real_hook(binding)), predictor.lend(s):
+            outs.append(model(tokens))
+    for y in outs:
+        y.pow(2).sum().backward()
+        optimizer.step()
+        binding.zero_grad()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_later_prediction_does_not_leak_into_earlier_backward():
     """x @ W.T saves a view of W: with the pointer mechanism that view points at the prediction buffer,
     which the next forward overwrites; the hooks must send the backward to the real weights."""
