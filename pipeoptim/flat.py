@@ -18,7 +18,10 @@ the module's parameters become bf16 working copies in their own flat buffer (gra
 master copies replace the module's parameters in `optimizer.param_groups`; after every optimizer step
 the working copy is refreshed from the masters (the cast a mixed-precision loop needs anyway).
 
-Module parameters that are not in the optimizer, or do not require grad, are left alone.
+Module parameters that are not in the optimizer, or do not require grad, are left alone. Bind after the
+module is on its device and dtype (`.to()` afterwards replaces the parameters' storage). In mixed
+precision the optimizer holds only the masters, so its `zero_grad()` does not see the working gradients:
+use `binding.zero_grad()` (the policies do).
 """
 from __future__ import annotations
 
@@ -134,6 +137,8 @@ class FlatGroup:
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)
     last_grad: torch.Tensor | None = None
     steps_taken: int = 0  # completed steps observed by the binding (used where torch keeps no 'step')
+    grad_views: list[torch.Tensor] = field(default_factory=list)         # params' .grad, made once
+    master_grad_views: list[torch.Tensor] = field(default_factory=list)  # masters' .grad (mixed precision)
 
     @property
     def numel(self) -> int:
@@ -231,17 +236,23 @@ class FlatBinding:
                     optimizer.state[m] = optimizer.state.pop(p)
         g = FlatGroup(index=index, rule=rule, names=[n for n, _ in items], params=params, masters=masters,
                       offsets=offsets, shapes=[p.shape for p in params], w=w, work=work, grad=grad, master_grad=master_grad)
+        g.grad_views = [g.view(grad, j) for j in range(len(params))]
+        g.master_grad_views = g.grad_views if working_dtype is None else [
+            g.view(master_grad, j) for j in range(len(params))]
         for j, (p, m) in enumerate(zip(params, masters)):
             m.data = g.view(w, j)
-            m.grad = g.view(master_grad, j)
+            m.grad = g.master_grad_views[j]
             if working_dtype is not None:
                 p.data = g.view(work, j)
-                p.grad = g.view(grad, j)
+                p.grad = g.grad_views[j]
         self._create_state(g, group)
         return g
 
     def _create_state(self, g: FlatGroup, group: dict) -> None:
         """Pre-create torch's state as flat views, for params with no state yet (see _ELEMENT_STATE)."""
+        cls = type(self.optimizer)
+        if not (cls.__module__.startswith("torch.optim") and pk.OPTIMIZER_CLASSES.get(cls.__name__) == g.rule):
+            return  # only torch's own classes are known to initialise their state this way
         entries = [name for name, cond in _ELEMENT_STATE.get(g.rule, []) if cond(group)]
         if not entries:
             return
@@ -305,21 +316,21 @@ class FlatBinding:
         assigning .grad). A parameter without a gradient gets a zero one, so that every parameter of a group
         steps together (as with zero_grad(set_to_none=False))."""
         for g in self.groups:
-            for j, p in enumerate(g.params):
-                view = g.view(g.grad, j)
+            for p, view in zip(g.params, g.grad_views):
                 cur = p.grad
-                if cur is view or (cur is not None and _same_view(cur, view)):
+                if cur is view:
                     continue
-                with torch.no_grad():
-                    if cur is None:
-                        view.zero_()
-                    else:
-                        view.copy_(cur)
+                if cur is None or not _same_view(cur, view):
+                    with torch.no_grad():
+                        if cur is None:
+                            view.zero_()
+                        else:
+                            view.copy_(cur)
                 p.grad = view
             if g.mixed:
-                for j, m in enumerate(g.masters):
-                    if m.grad is None or not _same_view(m.grad, g.view(g.master_grad, j)):
-                        m.grad = g.view(g.master_grad, j)
+                for m, view in zip(g.masters, g.master_grad_views):
+                    if m.grad is not view:
+                        m.grad = view
 
     def keep_last_grad(self) -> None:
         """Keep a copy of each step's gradient where the group's rule reads it (`state['grad']` of the
