@@ -1,0 +1,47 @@
+"""Asynchronous schedules: PipeDream's async 1F1B and PipeDream-2BW. No flush: the 1F1B order runs on across
+batches and each stage updates its weights on its own, so a micro-batch's forward and backward on a stage can
+see different weight versions (``staleness.version_difference`` counts how many updates apart).
+
+- ``async-1f1b``: a step after every backward (each micro-batch is a mini-batch). Stage k keeps D-k weight
+  versions if it stashes (PipeDream); PipeOptim instead predicts the weights the backward will see.
+- ``2bw``: gradients accumulated over m >= D micro-batches, one step per m backwards; two weight versions.
+
+The window covers ``microbatches`` micro-batches: the warm-up, the steady state and the drain of a stream
+that a training run would continue indefinitely.
+"""
+from __future__ import annotations
+
+from .actions import Action, Backward, Chunk, Step
+from .schedule import Schedule
+from .synchronous import one_f_one_b_order
+
+__all__ = ["async_1f1b", "two_bw"]
+
+
+def _with_steps(devices: int, microbatches: int, every: int) -> list[list[Action]]:
+    actions = []
+    for d in range(devices):
+        acts: list[Action] = []
+        backwards = 0
+        for a in one_f_one_b_order(devices, microbatches, d):
+            acts.append(a)
+            if isinstance(a, Backward):
+                backwards += 1
+                if backwards % every == 0:
+                    acts.append(Step(d))
+        actions.append(acts)
+    return actions
+
+
+def async_1f1b(devices: int, microbatches: int) -> Schedule:
+    chunks = [[Chunk(0, d)] for d in range(devices)]
+    return Schedule("async-1f1b", devices, microbatches, devices, chunks,
+                    _with_steps(devices, microbatches, 1), False)
+
+
+def two_bw(devices: int, microbatches: int, update_every: int | None = None) -> Schedule:
+    """PipeDream-2BW with one update every ``update_every`` = m micro-batches (default D)."""
+    m = devices if update_every is None else update_every
+    chunks = [[Chunk(0, d)] for d in range(devices)]
+    return Schedule("2bw", devices, microbatches, devices, chunks, _with_steps(devices, microbatches, m), False,
+                    {"update_every": m})

@@ -1,0 +1,130 @@
+"""Schedules by name, with their rules checked up front and errors that say which rule and what would work.
+
+``get_schedule("bitpipe", devices=4, microbatches=8)`` is the one entry point the CLI, the benchmarks and the
+runtime use; ``SCHEDULES`` lists the names. Each rule is checked here, before generation, so a user gets
+"bitpipe needs an even number of devices (got 3); use --devices 4 or the 1f1b schedule" and not a failure deep
+inside a generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .asynchronous import async_1f1b, two_bw
+from .bidirectional import CONCATS, bitpipe, chimera
+from .errors import ScheduleConfigError
+from .schedule import Schedule
+from .synchronous import gpipe, interleaved, one_f_one_b
+
+__all__ = ["SCHEDULES", "ScheduleInfo", "INFO", "get_schedule"]
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    name: str
+    synchronous: bool
+    single_copy: bool          # one copy of each stage (exportable to torch.distributed.pipelining)
+    summary: str
+
+
+INFO: dict[str, ScheduleInfo] = {i.name: i for i in [
+    ScheduleInfo("gpipe", True, True, "all forwards, then all backwards; flush"),
+    ScheduleInfo("1f1b", True, True, "one forward one backward (DAPPLE / PipeDream-Flush); flush"),
+    ScheduleInfo("interleaved", True, True, "1F1B over v chunks per device, looping placement; flush"),
+    ScheduleInfo("chimera", True, False, "two replicas in opposite directions; flush"),
+    ScheduleInfo("bitpipe", True, False, "two V-shaped replicas, 4 chunks per device, eager sync; flush"),
+    ScheduleInfo("async-1f1b", False, True, "PipeDream: no flush, a step after every backward"),
+    ScheduleInfo("2bw", False, True, "PipeDream-2BW: no flush, a step every m micro-batches"),
+]}
+SCHEDULES: list[str] = list(INFO)
+
+
+def _multiples(n: int, d: int) -> str:
+    low = (n // d) * d
+    options = [m for m in (low, low + d) if m >= d]
+    return " or ".join(str(m) for m in options)
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise ScheduleConfigError(message)
+
+
+def _even_devices(name: str, devices: int) -> None:
+    _need(devices % 2 == 0, f"{name} needs an even number of devices (got {devices}); use --devices "
+          f"{devices + 1 if devices > 1 else 2} or the 1f1b schedule, which takes any number")
+
+
+def _multiple_of_devices(name: str, devices: int, microbatches: int) -> None:
+    _need(microbatches % devices == 0, f"{name} needs the number of micro-batches to be a multiple of the "
+          f"number of devices (got {microbatches} micro-batches on {devices} devices); use --microbatches "
+          f"{_multiples(microbatches, devices)}, or the 1f1b schedule, which takes any number")
+
+
+def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | None = None,
+                 concat: str = "reference", bwd_ratio: float = 2.0,
+                 update_every: int | None = None) -> Schedule:
+    """Generate schedule ``name`` for ``devices`` pipeline ranks and ``microbatches`` micro-batches.
+
+    chunks:        interleaved only: chunks per device v (default 2).
+    concat:        bitpipe only: "reference" or "paced" concatenation of groups (bidirectional.py).
+    bwd_ratio:     bitpipe "paced" only: backward/forward cost ratio it is planned for.
+    update_every:  2bw only: micro-batches per weight update m (default D; must be >= D).
+    """
+    if name not in INFO:
+        close = [s for s in SCHEDULES if s.startswith(name[:2])] or SCHEDULES
+        raise ScheduleConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+                                  + (f" (did you mean {close[0]}?)" if close != SCHEDULES else ""))
+    _need(isinstance(devices, int) and devices >= 1, f"the number of devices must be a positive integer "
+          f"(got {devices!r}); use --devices 2 or more")
+    _need(isinstance(microbatches, int) and microbatches >= 1, f"the number of micro-batches must be a "
+          f"positive integer (got {microbatches!r}); use --microbatches {max(devices, 1)}")
+    if chunks is not None and name != "interleaved":
+        raise ScheduleConfigError(f"--chunks applies to the interleaved schedule only ({name} has a fixed "
+                                  "placement); drop it or use the interleaved schedule")
+    if update_every is not None and name != "2bw":
+        raise ScheduleConfigError(f"--update-every applies to the 2bw schedule only; drop it for {name}")
+    if name == "bitpipe":
+        _need(concat in CONCATS, f"unknown BitPipe concatenation {concat!r}; use one of {', '.join(CONCATS)}")
+    elif concat != "reference":
+        raise ScheduleConfigError(f"--concat applies to the bitpipe schedule only; drop it for {name}")
+    build: dict[str, Callable[[], Schedule]] = {
+        "gpipe": lambda: gpipe(devices, microbatches),
+        "1f1b": lambda: one_f_one_b(devices, microbatches),
+        "interleaved": lambda: _interleaved(devices, microbatches, 2 if chunks is None else chunks),
+        "chimera": lambda: _chimera(devices, microbatches),
+        "bitpipe": lambda: _bitpipe(devices, microbatches, concat, bwd_ratio),
+        "async-1f1b": lambda: async_1f1b(devices, microbatches),
+        "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every),
+    }
+    return build[name]()
+
+
+def _interleaved(devices: int, microbatches: int, v: int) -> Schedule:
+    _need(isinstance(v, int) and v >= 1, f"interleaved needs a positive number of chunks per device "
+          f"(got {v!r}); use --chunks 2")
+    _multiple_of_devices("interleaved", devices, microbatches)
+    return interleaved(devices, microbatches, v)
+
+
+def _chimera(devices: int, microbatches: int) -> Schedule:
+    _even_devices("chimera", devices)
+    _need(microbatches % 2 == 0, f"chimera needs an even number of micro-batches, half for each direction "
+          f"(got {microbatches}); use --microbatches {microbatches + 1}")
+    return chimera(devices, microbatches)
+
+
+def _bitpipe(devices: int, microbatches: int, concat: str, bwd_ratio: float) -> Schedule:
+    _even_devices("bitpipe", devices)
+    _multiple_of_devices("bitpipe", devices, microbatches)
+    _need(bwd_ratio > 0, f"the backward/forward cost ratio must be positive (got {bwd_ratio}); use --bwd-ratio 2")
+    return bitpipe(devices, microbatches, concat, bwd_ratio)
+
+
+def _two_bw(devices: int, microbatches: int, m: int) -> Schedule:
+    _need(isinstance(m, int) and m >= devices, f"2bw needs update_every >= devices (got {m} on {devices} "
+          "devices): a stage may only update once its oldest in-flight micro-batch has finished, so that two "
+          f"weight versions suffice; use --update-every {devices}")
+    _need(microbatches % m == 0, f"2bw needs the number of micro-batches to be a multiple of update_every "
+          f"(got {microbatches} micro-batches, update every {m}); use --microbatches {_multiples(microbatches, m)}")
+    return two_bw(devices, microbatches, m)
