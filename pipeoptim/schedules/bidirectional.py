@@ -15,15 +15,17 @@ local hand-off, and comes back D-1 -> 0 (stages D..2D-1); its loss is on device 
 The second-half chunks (2, 3) are synchronised with the mirror during the cool-down, the first-half chunks
 (0, 1) at the end.
 
-Concatenating groups of D micro-batches (N > D):
-- ``concat="reference"``: the published rule, applied to the whole stream in group order with no limit on
-  micro-batches in flight. With forward = backward it meets (D-2)/(4N+D-2); with backward = 2 x forward the
-  groups interlock badly and idle time grows with every group.
+Concatenating groups of D micro-batches (N > D), for both schedules:
+- ``concat="reference"``: the published rule (planned at unit costs, forward = backward) applied to the whole
+  stream in group order ("direct concatenation"). With forward = backward it meets the closed formulas,
+  (D-2)/(2N+D-2) for Chimera and (D-2)/(4N+D-2) for BitPipe; with backward = 2 x forward the groups interlock
+  badly and idle time grows with every group (BitPipe: bubble towards 1/7, worse than interleaved 1F1B at
+  D=8, N=32).
 - ``concat="paced"``: groups are paced at the rate the devices can absorb them. Each operation is planned at
   its time in the one-group schedule (timed with the real backward/forward ratio) plus one group's per-device
-  work, 2D(F + B), per earlier group; list scheduling then lets each free device run the ready operation
-  planned earliest. If that is not faster than the reference at the given ratio (one group: nothing to
-  concatenate), the reference order is kept. ``bench_schedules.py`` reports both.
+  work, S(F + B) for S stages per replica, per earlier group; list scheduling then lets each free device run
+  the ready operation planned earliest. If that is not faster than the reference at the given ratio (one
+  group: nothing to concatenate), the reference order is kept. ``bench_schedules.py`` reports both.
 """
 from __future__ import annotations
 
@@ -59,13 +61,13 @@ def _shell(name: str, devices: int, microbatches: int, stages: int, chunks) -> S
     return Schedule(name, devices, microbatches, stages, chunks, [[] for _ in chunks], True)
 
 
-def chimera(devices: int, microbatches: int) -> Schedule:
-    """Chimera with direct concatenation of groups; each stage is synchronised with its mirror as soon as both
-    of that stage's chunks have finished their backwards."""
+def chimera(devices: int, microbatches: int, concat: str = "reference", bwd_ratio: float = 2.0) -> Schedule:
+    """Chimera; groups joined directly (``reference``) or ``paced`` (module docstring). Each stage is
+    synchronised with its mirror as soon as both of that stage's chunks have finished their backwards."""
     D = devices
     chunks = [[Chunk(0, d), Chunk(1, D - 1 - d)] for d in range(D)]
     shell = _shell("chimera", D, microbatches, D, chunks)
-    order = list_schedule(shell, bidirectional_replicas(D, microbatches), _unit(1.0))
+    order = _order(shell, bidirectional_replicas(D, microbatches), concat, bwd_ratio)
     actions: list[list[Action]] = []
     for d in range(D):
         acts: list[Action] = list(order[d])
@@ -79,7 +81,11 @@ def chimera(devices: int, microbatches: int) -> Schedule:
             acts.insert(index + 1, Sync((chunk.stage,), group))
         acts += [Step(c.stage, c.replica) for c in chunks[d]]
         actions.append(acts)
-    return Schedule("chimera", D, microbatches, D, chunks, actions, True)
+    return Schedule("chimera", D, microbatches, D, chunks, actions, True, _params(concat, bwd_ratio))
+
+
+def _params(concat: str, bwd_ratio: float) -> dict:
+    return {"concat": concat} if concat == "reference" else {"concat": concat, "bwd_ratio": bwd_ratio}
 
 
 def bitpipe_chunks(devices: int) -> list[list[Chunk]]:
@@ -89,14 +95,14 @@ def bitpipe_chunks(devices: int) -> list[list[Chunk]]:
 
 
 def _paced_order(shell: Schedule, replicas: list[int], unit_order, bwd_ratio: float):
-    """Groups paced at the rate the devices absorb them: every operation gets a planned time, its group's
-    one-group BitPipe time (at the real ratio) plus one group's per-device work, 2D(1 + ratio), per earlier
-    group; list scheduling then runs, on each free device, the ready operation planned earliest."""
+    """Groups paced at the rate the devices absorb them: every operation is planned at its group's one-group
+    time (at the real ratio) plus one group's per-device work, S(F + B) for S stages, per earlier group;
+    list scheduling then runs, on each free device, the ready operation planned earliest."""
     D = shell.num_devices
     one_group = shell.replace(num_microbatches=D, actions=unit_order)
     planned = {r.action: r.start for recs in run_timeline(one_group, unit_durations(bwd_ratio)).records
                for r in recs}
-    group_work = 2 * D * (1 + bwd_ratio)
+    group_work = shell.num_stages * (1 + bwd_ratio)
 
     def priority(op: Compute) -> tuple:
         base = type(op)(op.mb % D, op.stage, op.replica)
@@ -104,15 +110,11 @@ def _paced_order(shell: Schedule, replicas: list[int], unit_order, bwd_ratio: fl
     return list_schedule(shell, replicas, _unit(bwd_ratio), priority)
 
 
-def bitpipe(devices: int, microbatches: int, concat: str = "reference", bwd_ratio: float = 2.0) -> Schedule:
-    """BitPipe; ``concat`` picks how groups of D micro-batches are joined (module docstring); ``bwd_ratio`` is
-    the backward/forward cost ratio the ``paced`` order is planned for (the reference order ignores it)."""
+def _order(shell: Schedule, replicas: list[int], concat: str, bwd_ratio: float):
+    """Per-device compute order for the ``concat`` rule (module docstring)."""
     if concat not in CONCATS:
-        raise ValueError(f"unknown BitPipe concatenation {concat!r}; choose one of {CONCATS}")
-    D, N = devices, microbatches
-    chunks = bitpipe_chunks(D)
-    shell = _shell("bitpipe", D, N, 2 * D, chunks)
-    replicas = bidirectional_replicas(D, N)
+        raise ValueError(f"unknown concatenation {concat!r}; choose one of {CONCATS}")
+    D, N = shell.num_devices, shell.num_microbatches
     order = list_schedule(shell, replicas, _unit(1.0))
     if concat == "paced" and N > D:
         unit = list_schedule(shell.replace(num_microbatches=D), replicas[:D], _unit(1.0))
@@ -121,6 +123,16 @@ def bitpipe(devices: int, microbatches: int, concat: str = "reference", bwd_rati
         if run_timeline(shell.replace(actions=paced), clock).makespan < \
                 run_timeline(shell.replace(actions=order), clock).makespan - 1e-9:
             order = paced
+    return order
+
+
+def bitpipe(devices: int, microbatches: int, concat: str = "reference", bwd_ratio: float = 2.0) -> Schedule:
+    """BitPipe; ``concat`` picks how groups of D micro-batches are joined (module docstring); ``bwd_ratio`` is
+    the backward/forward cost ratio the ``paced`` order is planned for (the reference order ignores it)."""
+    D, N = devices, microbatches
+    chunks = bitpipe_chunks(D)
+    shell = _shell("bitpipe", D, N, 2 * D, chunks)
+    order = _order(shell, bidirectional_replicas(D, N), concat, bwd_ratio)
     actions: list[list[Action]] = []
     for r in range(D):
         acts: list[Action] = list(order[r])
@@ -137,5 +149,4 @@ def bitpipe(devices: int, microbatches: int, concat: str = "reference", bwd_rati
         acts.append(early)
         acts += [Step(c.stage, c.replica) for c in chunks[r]]
         actions.append(acts)
-    params = {"concat": concat} if concat == "reference" else {"concat": concat, "bwd_ratio": bwd_ratio}
-    return Schedule("bitpipe", D, N, 2 * D, chunks, actions, True, params)
+    return Schedule("bitpipe", D, N, 2 * D, chunks, actions, True, _params(concat, bwd_ratio))

@@ -67,8 +67,8 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
     """Generate schedule ``name`` for ``devices`` pipeline ranks and ``microbatches`` micro-batches.
 
     chunks:        interleaved only: chunks per device v (default 2).
-    concat:        bitpipe only: "reference" or "paced" concatenation of groups (bidirectional.py).
-    bwd_ratio:     bitpipe "paced" only: backward/forward cost ratio it is planned for.
+    concat:        chimera and bitpipe: "reference" or "paced" concatenation of groups (bidirectional.py).
+    bwd_ratio:     chimera and bitpipe "paced": backward/forward cost ratio the order is planned for.
     update_every:  2bw only: micro-batches per weight update m (default D; must be >= D).
     """
     if name not in INFO:
@@ -84,15 +84,18 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
                                   "placement); drop it or use the interleaved schedule")
     if update_every is not None and name != "2bw":
         raise ScheduleConfigError(f"--update-every applies to the 2bw schedule only; drop it for {name}")
-    if name == "bitpipe":
-        _need(concat in CONCATS, f"unknown BitPipe concatenation {concat!r}; use one of {', '.join(CONCATS)}")
+    if name in ("bitpipe", "chimera"):
+        _need(concat in CONCATS, f"unknown concatenation {concat!r}; use one of {', '.join(CONCATS)}")
+        _need(bwd_ratio > 0, f"the backward/forward cost ratio must be positive (got {bwd_ratio}); use "
+              "--bwd-ratio 2")
     elif concat != "reference":
-        raise ScheduleConfigError(f"--concat applies to the bitpipe schedule only; drop it for {name}")
+        raise ScheduleConfigError(f"--concat applies to the chimera and bitpipe schedules only; drop it for "
+                                  f"{name}")
     build: dict[str, Callable[[], Schedule]] = {
         "gpipe": lambda: gpipe(devices, microbatches),
         "1f1b": lambda: one_f_one_b(devices, microbatches),
         "interleaved": lambda: _interleaved(devices, microbatches, 2 if chunks is None else chunks),
-        "chimera": lambda: _chimera(devices, microbatches),
+        "chimera": lambda: _chimera(devices, microbatches, concat, bwd_ratio),
         "bitpipe": lambda: _bitpipe(devices, microbatches, concat, bwd_ratio),
         "async-1f1b": lambda: async_1f1b(devices, microbatches),
         "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every),
@@ -107,17 +110,16 @@ def _interleaved(devices: int, microbatches: int, v: int) -> Schedule:
     return interleaved(devices, microbatches, v)
 
 
-def _chimera(devices: int, microbatches: int) -> Schedule:
+def _chimera(devices: int, microbatches: int, concat: str, bwd_ratio: float) -> Schedule:
     _even_devices("chimera", devices)
     _need(microbatches % 2 == 0, f"chimera needs an even number of micro-batches, half for each direction "
           f"(got {microbatches}); use --microbatches {microbatches + 1}")
-    return chimera(devices, microbatches)
+    return chimera(devices, microbatches, concat, bwd_ratio)
 
 
 def _bitpipe(devices: int, microbatches: int, concat: str, bwd_ratio: float) -> Schedule:
     _even_devices("bitpipe", devices)
     _multiple_of_devices("bitpipe", devices, microbatches)
-    _need(bwd_ratio > 0, f"the backward/forward cost ratio must be positive (got {bwd_ratio}); use --bwd-ratio 2")
     return bitpipe(devices, microbatches, concat, bwd_ratio)
 
 

@@ -1,0 +1,215 @@
+"""The ``pipeoptim`` command: one entry point, subcommands registered in ``COMMANDS``.
+
+Each subcommand is a ``Command(help, add_arguments, run)``. ``add_arguments`` must stay cheap (it runs to build
+``--help``); ``run`` imports what it needs when it runs, so ``pipeoptim schedule`` never loads
+torch.distributed. To add a subcommand elsewhere in the package::
+
+    from pipeoptim.cli import register, lazy
+    register("train", "train a model through a pipeline", add_train_arguments, lazy("pipeoptim.train", "main"))
+
+Run as ``pipeoptim ...`` (installed entry point) or ``python -m pipeoptim.cli ...``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+__all__ = ["Command", "COMMANDS", "register", "lazy", "build_parser", "main"]
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             run: Callable[[argparse.Namespace], int]) -> None:
+    if name in COMMANDS:
+        raise ValueError(f"subcommand {name!r} is already registered")
+    COMMANDS[name] = Command(help, add_arguments, run)
+
+
+def lazy(module: str, attr: str) -> Callable[[argparse.Namespace], int]:
+    """A ``run`` function that imports ``module`` only when the subcommand runs."""
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), attr)(args)
+    return run
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+# ---- pipeoptim schedule ---------------------------------------------------------------------------------
+def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="gpipe, 1f1b, interleaved, chimera, bitpipe, async-1f1b or 2bw")
+    p.add_argument("--devices", "-D", type=_positive_int, required=True, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=_positive_int, required=True, help="micro-batches N")
+    p.add_argument("--chunks", type=_positive_int, default=None, help="interleaved: chunks per device v")
+    p.add_argument("--bwd-ratio", type=_positive_float, default=2.0,
+                   help="backward cost / forward cost (default 2)")
+    p.add_argument("--concat", choices=("reference", "paced"), default="reference",
+                   help="chimera/bitpipe: how groups of D micro-batches are joined (default reference)")
+    p.add_argument("--update-every", type=_positive_int, default=None, help="2bw: micro-batches per update m")
+    p.add_argument("--png", help="write a timeline chart here")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here")
+    p.add_argument("--text", help="write the schedule in text notation here")
+    p.add_argument("--csv", help="write the per-device action lists as CSV here")
+    p.add_argument("--no-grid", action="store_true", help="do not print the grid")
+
+
+def _schedule_run(args: argparse.Namespace) -> int:
+    from .schedules import ScheduleConfigError, get_schedule, validate
+    from .sim import Costs, simulate
+    try:
+        schedule = get_schedule(args.name, args.devices, args.microbatches, chunks=args.chunks,
+                                concat=args.concat, bwd_ratio=args.bwd_ratio, update_every=args.update_every)
+    except ScheduleConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    validate(schedule)
+    result = simulate(schedule, Costs(forward=1.0, backward=args.bwd_ratio))
+    if not args.no_grid:
+        from .viz import text_grid
+        print(text_grid(result))
+    if args.png:
+        from .viz import save_png
+        print(f"wrote {save_png(result, args.png)}")
+    if args.trace:
+        from .viz import save_trace
+        print(f"wrote {save_trace(result, args.trace)}")
+    if args.text:
+        with open(args.text, "w") as f:
+            f.write(schedule.to_text())
+        print(f"wrote {args.text}")
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(schedule.to_csv())
+        print(f"wrote {args.csv}")
+    print(f"makespan: {result.makespan:g} (forward of one D-th of the model = 1, backward = {args.bwd_ratio:g})")
+    print(f"peak activations per device: {', '.join(f'{v:g}' for v in result.peak_activations)}")
+    print(f"bubble ratio: {result.bubble_ratio:.6f}")
+    return 0
+
+
+# ---- pipeoptim compare-schedules ------------------------------------------------------------------------
+_COLUMNS = [("schedule", "schedule", "{}"), ("bubble_ratio", "bubble", "{:.4f}"),
+            ("steady_bubble", "steady", "{:.4f}"), ("makespan", "makespan", "{:g}"),
+            ("peak_activations", "peak act", "{:g}"), ("weight_copies", "weights", "{:g}"),
+            ("weight_versions", "versions", "{:g}"), ("p2p_bytes_per_device", "p2p/dev", "{:g}"),
+            ("allreduce_bytes_total", "allreduce", "{:g}")]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Plain-text table of ``sim.compare`` rows; rows with ``error`` show the rule that excluded them."""
+    cells = [[head for _, head, _ in _COLUMNS]]
+    notes = []
+    for r in rows:
+        if "error" in r:
+            cells.append([r["schedule"]] + ["-"] * (len(_COLUMNS) - 1))
+            notes.append(f"  {r['schedule']}: {r['error']}")
+        else:
+            cells.append([fmt.format(r[key]) for key, _, fmt in _COLUMNS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + notes)
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", "-D", type=_positive_int, default=8, help="pipeline devices D (default 8)")
+    p.add_argument("--microbatches", "-N", type=_positive_int, default=32, help="micro-batches N (default 32)")
+    p.add_argument("--bwd-ratio", type=_positive_float, nargs="+", default=[1.0, 2.0],
+                   help="backward/forward cost ratios to compare (default: 1 2)")
+    p.add_argument("--chunks", type=_positive_int, default=2, help="interleaved: chunks per device (default 2)")
+    p.add_argument("--p2p-latency", type=float, default=0.0, help="per-hop latency (forward time units)")
+    p.add_argument("--p2p-bandwidth", type=float, default=float("inf"),
+                   help="activation sizes per forward time unit (default: free communication)")
+    p.add_argument("--schedules", nargs="+", default=None, help="subset of schedules (default: all)")
+    p.add_argument("--png", help="write bar charts here")
+    p.add_argument("--csv", help="write the table as CSV here")
+
+
+def _compare_run(args: argparse.Namespace) -> int:
+    import csv
+
+    from .schedules import SCHEDULES, ScheduleConfigError
+    from .sim import Costs, compare
+    unknown = [n for n in (args.schedules or []) if n not in SCHEDULES]
+    if unknown:
+        print(f"error: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}", file=sys.stderr)
+        return 2
+    by_ratio: dict[float, list[dict]] = {}
+    for ratio in args.bwd_ratio:
+        costs = Costs(forward=1.0, backward=ratio, p2p_latency=args.p2p_latency,
+                      p2p_bandwidth=args.p2p_bandwidth)
+        try:
+            rows = compare(args.devices, args.microbatches, costs, args.schedules, chunks=args.chunks)
+        except ScheduleConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        by_ratio[ratio] = rows
+        print(f"D={args.devices} N={args.microbatches} backward/forward={ratio:g} "
+              f"(forward of one D-th of the model = 1; memory in stage activations; traffic in activations)")
+        print(format_table(rows))
+        print()
+    print("bubble: idle / (devices x makespan) over one window of N micro-batches; steady: per N micro-batches "
+          "of a long run (differs only for asynchronous schedules, which never flush)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            keys = ["bwd_ratio"] + [k for k, _, _ in _COLUMNS] + ["error"]
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            for ratio, rows in by_ratio.items():
+                for r in rows:
+                    w.writerow({"bwd_ratio": ratio, **r})
+        print(f"wrote {args.csv}")
+    if args.png:
+        from .viz import save_comparison_png
+        save_comparison_png(by_ratio, args.png, title=f"D={args.devices} N={args.microbatches}")
+        print(f"wrote {args.png}")
+    return 0
+
+
+register("schedule", "print, draw and time one schedule", _schedule_arguments, _schedule_run)
+register("compare-schedules", "tabulate bubble, memory and traffic of all schedules", _compare_arguments,
+         _compare_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipeoptim", description="Pipeline-parallel training tools.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
