@@ -38,8 +38,8 @@ constexpr int out_size() { return Out == OUT_F32 ? 4 : 2; }
 
 // Non-temporal copy of a small, cache-hot block to its final place. A separate output buffer written
 // with ordinary stores is first read into cache (read-for-ownership): 4 extra bytes per fp32 element,
-// a quarter of Adam's minimal traffic. Streaming stores skip that read. Only worth it for buffers
-// larger than the last-level cache; ops_cpu.cpp decides.
+// a quarter of Adam's minimal traffic. Streaming stores skip that read; whether that wins depends on
+// the processor (ops_cpu.cpp says what was measured and how to turn it on).
 inline void stream_store(void* dst, const void* src, int64_t bytes) {
   char* d = static_cast<char*>(dst);
   const char* s = static_cast<const char*>(src);
