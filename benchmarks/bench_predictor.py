@@ -314,7 +314,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2, help="policies: timed steps per round")
     ap.add_argument("--stages", type=int, default=4, help="pipeline depth D")
     ap.add_argument("--stage", type=int, default=2, help="this stage's index k (D-k micro-batches in flight)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch CPU threads (0: torch's default); 1 is steadier when other jobs share the cores")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not 0 <= args.stage < args.stages:
         ap.error("--stage must be in [0, --stages)")
     device = torch.device(args.device)
