@@ -332,6 +332,11 @@ class FlatBinding:
                     if m.grad is not view:
                         m.grad = view
 
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient buffers the backward accumulates into, one per group: all-reduce, clip or unscale
+        these (one op each) before the step. In mixed precision they are the working-dtype gradients."""
+        return [g.grad for g in self.groups]
+
     def keep_last_grad(self) -> None:
         """Keep a copy of each step's gradient where the group's rule reads it (`state['grad']` of the
         kernels): torch.optim does not keep it and the gradient buffer is zeroed after the step. Until the

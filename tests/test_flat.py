@@ -153,6 +153,9 @@ def test_zero_grad_set_to_none_is_survived():
     bound(batch(torch.Generator().manual_seed(0))).sum().backward()
     opt_b.step()
     assert_bound(bound, opt_b, binding)
+    flat = binding.grad_buffers()[0]
+    assert flat.abs().sum() > 0
+    assert torch.equal(flat, torch.cat([p.grad.reshape(-1) for p in bound.parameters()]))
 
 
 def test_several_groups_dtypes_and_frozen_parameters():

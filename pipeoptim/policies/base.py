@@ -13,7 +13,8 @@ SpecTrain's and PipeOptim's predictions. The executor codes against `WeightPolic
     with policy.backward(mb, s=s_bwd):                             # s_bwd: SpecTrain's backward look-ahead
         torch.autograd.backward(y, dy)
     if policy.should_step():                                       # every `update_every` backwards
-        # executor's business here: all-reduce / clip / unscale `policy.binding` grads, agree on overflow
+        # executor's business here: all-reduce / clip / unscale policy.binding.grad_buffers() (one flat
+        # buffer per param group), agree on overflow across stages
         policy.step(next_s=s_of_next_forward, skip=found_inf)      # zeroes the grads
 
 Rules for the executor:
