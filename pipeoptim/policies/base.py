@@ -24,6 +24,11 @@ Rules for the executor:
 - s values are inputs; the schedule computes them (DESIGN.md §2). `s` may be fractional.
 - Only `policy.step()` should step the optimizer while forwards are in flight (it knows about stashes
   and fused predictions); LR schedulers may change the lr at any time between calls.
+- On CUDA, issue a stage's forwards, backwards and steps on one stream: the weight swaps are host-side
+  pointer exchanges, and stream order is what keeps a later prediction from overwriting a buffer that
+  earlier kernels still read.
+- Save checkpoints (module, optimizer) when no micro-batch is in flight: stashes and predictions are
+  transient and not part of any state_dict.
 - `extra_weight_bytes()` is the memory the policy holds beyond the model, its gradients and the
   optimizer's own state; `memory_report()` splits it by purpose.
 """
