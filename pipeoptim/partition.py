@@ -1,0 +1,85 @@
+"""Cut a list of layers into contiguous pipeline stages: by layer count, or by profiled time.
+
+A pipeline runs at the pace of its slowest stage, so the cut that matters minimises the largest stage
+cost. ``balance_by_time`` measures each layer's forward+backward on a sample input and solves that
+min-max partition exactly (dynamic programming over contiguous cuts); ``balance_by_layers`` splits counts
+as evenly as possible. Both return a balance: the number of layers per stage.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["balance_by_layers", "balance_by_time", "balance_by_cost", "profile_layers", "check_balance"]
+
+
+def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
+    from .runtime.plan import ConfigError
+    balance = list(balance)
+    if len(balance) != num_stages:
+        raise ConfigError(f"balance {balance} has {len(balance)} entries but the schedule has {num_stages} stages; "
+                          f"give one layer count per stage")
+    if any(not isinstance(b, int) or b < 1 for b in balance):
+        raise ConfigError(f"balance {balance}: every stage needs at least one layer")
+    if sum(balance) != num_layers:
+        raise ConfigError(f"balance {balance} covers {sum(balance)} layers but the model has {num_layers}")
+    return balance
+
+
+def balance_by_layers(num_layers: int, num_stages: int) -> list[int]:
+    from .runtime.plan import ConfigError
+    if num_stages > num_layers:
+        raise ConfigError(f"{num_stages} stages but only {num_layers} layers: each stage needs a layer; use at "
+                          f"most {num_layers} stages (or fewer devices), or split the model into more layers")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if i >= num_stages - extra else 0) for i in range(num_stages)]
+
+
+def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Contiguous partition of ``costs`` into ``num_stages`` parts minimising the largest part."""
+    n = len(costs)
+    balance_by_layers(n, num_stages)  # same rule: one layer at least per stage
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    out, i = [], n
+    for k in range(num_stages, 0, -1):
+        j = cut[k][i]
+        out.append(i - j)
+        i = j
+    return out[::-1]
+
+
+def profile_layers(layers: Sequence[nn.Module], sample, repeats: int = 3) -> list[float]:
+    """Seconds of forward+backward per layer on ``sample`` (the first layer's input), best of ``repeats``."""
+    costs = []
+    x = sample
+    for layer in layers:
+        best = float("inf")
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            t0 = time.perf_counter()
+            y = layer(inp)
+            y.float().sum().backward()
+            best = min(best, time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
+        costs.append(best)
+        x = y.detach()
+    return costs
+
+
+def balance_by_time(layers: Sequence[nn.Module], sample, num_stages: int, repeats: int = 3) -> list[int]:
+    return balance_by_cost(profile_layers(layers, sample, repeats), num_stages)

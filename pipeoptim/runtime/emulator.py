@@ -1,0 +1,147 @@
+"""Run a schedule's action lists for all devices in one process: the executor's oracle and a fast path.
+
+The emulator holds one ``DeviceWorker`` per pipeline device and advances each device through its own list,
+in order, as far as its inputs allow (a compute waits for its input; a ``Sync`` waits for all its members,
+then sums their gradients in device order; the first ``Step`` of a synchronous schedule waits for every
+device, then computes the global gradient norm). Each device runs exactly the operations it runs under the
+distributed executor, on the same values (transfers are copies, as on the wire), so with the same seed,
+thread count and schedule the numbers agree bit for bit (sums over more than two members may differ in the
+last bit: gloo adds in its own order).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..schedules.actions import Backward, Forward, Step, Sync
+from ..schedules.dataflow import input_transfer, output_transfer
+from .executor import describe_failure
+from .plan import Plan, PipelineError
+from .worker import DeviceWorker
+
+__all__ = ["Emulator"]
+
+
+class Emulator:
+    def __init__(self, plan: Plan, workers: list[DeviceWorker]):
+        if len(workers) != plan.num_devices:
+            raise ValueError(f"the emulator needs one worker per device ({plan.num_devices}), got {len(workers)}")
+        self.plan, self.workers = plan, workers
+
+    def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
+        D = plan.num_devices
+        for w in self.workers:
+            w.begin(inputs, targets, train=train, plan=plan)
+        mailbox: dict = {}
+        pos = [0] * D
+        acts = plan.actions
+        t0 = time.perf_counter()
+        grad_norm = float("nan")
+        coef: float | None = None
+        norm_done = False
+        sync_seen = [dict() for _ in range(D)]  # per device: Sync -> occurrences reached
+
+        def source(d: int, op):
+            if isinstance(op, Forward):
+                t = input_transfer(plan.schedule, op)
+                return None if t is None else (t.src, op)
+            t = output_transfer(plan.schedule, Forward(op.mb, op.stage, op.replica))
+            return None if t is None else (t.dst, op)
+
+        def ready(d: int, op) -> bool:
+            src = source(d, op)
+            if src is None:
+                return True
+            return op in self.workers[d].local if src[0] == d else (src[0], d, op) in mailbox
+
+        def take(d: int, op):
+            src = source(d, op)
+            if src is None:
+                return None
+            return self.workers[d].local.pop(op) if src[0] == d else mailbox.pop((src[0], d, op))
+
+        while any(pos[d] < len(acts[d]) for d in range(D)):
+            moved = False
+            for d in range(D):
+                w = self.workers[d]
+                while pos[d] < len(acts[d]):
+                    a = acts[d][pos[d]]
+                    try:
+                        if isinstance(a, (Forward, Backward)):
+                            if not ready(d, a):
+                                break
+                            data = take(d, a)
+                            out = w.forward(a, data) if isinstance(a, Forward) else w.backward(a, data)
+                            t = output_transfer(plan.schedule, a)
+                            if out is not None and t is not None:
+                                if t.local:
+                                    w.local[t.to_op] = out
+                                else:
+                                    mailbox[(d, t.dst, t.to_op)] = tuple(None if x is None else x.clone()
+                                                                         for x in out)
+                        elif isinstance(a, Sync):
+                            if not self._sync(a, d, pos, acts, sync_seen):
+                                break
+                            moved = True
+                            continue  # _sync advanced every member
+                        elif isinstance(a, Step):
+                            if plan.schedule.synchronous and not norm_done:
+                                if not all(pos[e] < len(acts[e]) and isinstance(acts[e][pos[e]], Step)
+                                           for e in range(D)):
+                                    break
+                                total = torch.zeros((), dtype=torch.float64)
+                                for e in range(D):
+                                    total += self.workers[e].sq_norm()
+                                grad_norm = math.sqrt(float(total))
+                                norm_done = True
+                                if clip_norm is not None:
+                                    coef = min(1.0, clip_norm / (grad_norm + 1e-6))
+                            elif not plan.schedule.synchronous and clip_norm is not None:
+                                local = math.sqrt(sum(float(g.double().pow(2).sum())
+                                                      for g in w.master_grads([a.chunk])))
+                                coef = min(1.0, clip_norm / (local + 1e-6))
+                            w.step(pos[d], a, coef)
+                    except PipelineError:
+                        raise
+                    except Exception as e:
+                        raise PipelineError(describe_failure(0, d, plan, a, e) + " [emulator]") from e
+                    pos[d] += 1
+                    moved = True
+            if not moved:
+                stuck = "; ".join(f"device {d} at {plan.schedule.format(acts[d][pos[d]])}"
+                                  for d in range(D) if pos[d] < len(acts[d]))
+                raise PipelineError(f"the schedule cannot make progress (deadlock): {stuck}")
+        for w in self.workers:
+            w.end()
+        if mailbox:
+            raise PipelineError(f"messages never consumed: {list(mailbox)[:4]}")
+        wall = time.perf_counter() - t0
+        losses = [v for w in self.workers for v in w.losses.values()]
+        busy = sum(w.busy for w in self.workers)
+        return {"loss": float(sum(float(v) for v in losses) / len(losses)), "grad_norm": grad_norm,
+                "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12))}
+
+    def _sync(self, a: Sync, d: int, pos, acts, seen) -> bool:
+        """Run Sync ``a`` once every member device stands at the same occurrence of it."""
+        k = seen[d].get(a, 0)
+        members = sorted(set(a.devices) | {d})
+        for e in members:
+            if pos[e] >= len(acts[e]) or acts[e][pos[e]] != a or seen[e].get(a, 0) != k:
+                return False
+        bufs = [self.workers[e].sync_buffers(a.stages) for e in members]
+        with torch.no_grad():
+            for j in range(len(bufs[0])):
+                total = bufs[0][j].clone()
+                for b in bufs[1:]:
+                    total += b[j]
+                for b in bufs:
+                    b[j].copy_(total)
+        for e in members:
+            seen[e][a] = k + 1
+            for c in self.workers[e].stages:
+                if c.stage in a.stages:
+                    self.workers[e].stages[c].policy.binding.grads_changed()
+            pos[e] += 1
+        return True

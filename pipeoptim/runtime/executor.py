@@ -1,0 +1,189 @@
+"""The distributed executor: one process per pipeline device walks that device's action list in order.
+
+- Compute actions: the input comes from a local hand-off (chunks of one micro-batch on this device, e.g.
+  BitPipe's V-turn), from the data (stage 0), or from ``comm.P2P`` (waited on just before the compute);
+  the output is posted at once to its consumer (``dataflow.output_transfer``).
+- ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
+  devices; with ``dp`` it also spans the data-parallel copies. Losses are scaled so that the sum is the mean
+  over the iteration's micro-batches.
+- ``Step``: synchronous schedules first compute the global gradient norm over the whole pipeline (one
+  all-reduce of a scalar; each stage counted once) for clipping and reporting; with data parallelism the
+  chunk's gradients are averaged over the data-parallel group first (one sync per step). Asynchronous
+  schedules clip per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the
+  pipeline-wide norm of that micro-batch does not exist yet.
+- Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
+  every rank (``faults.AbortWatch``).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.actions import Backward, Forward, Step, Sync
+from ..schedules.dataflow import input_transfer, output_transfer
+from .comm import P2P
+from .plan import Plan, PipelineError
+from .worker import DeviceWorker
+
+__all__ = ["Executor", "Groups", "describe_failure"]
+
+
+def describe_failure(rank: int, device: int, plan: Plan, action, exc: BaseException) -> str:
+    where = f"rank {rank} (pipeline device {device}"
+    if action is not None:
+        stage = getattr(action, "stage", None)
+        if stage is None and isinstance(action, Sync):
+            stage = "+".join(str(s) for s in action.stages)
+        where += f", stage {stage}, action {plan.schedule.format(action)}"
+    return f"{where}) failed: {type(exc).__name__}: {exc}"
+
+
+class Groups:
+    """Process groups for one pipeline layout; every rank creates all of them in the same order."""
+
+    def __init__(self, plan: Plan, pp_rank: int, dp_rank: int, dp_size: int):
+        D = plan.num_devices
+        world = D * dp_size
+        if dist.get_world_size() != world:
+            raise PipelineError(f"the process group has {dist.get_world_size()} ranks but the pipeline needs "
+                                f"{D} devices x {dp_size} data-parallel copies = {world}")
+        rank_of = lambda q, d: q * D + d  # noqa: E731
+        self.pp = None
+        for q in range(dp_size):
+            g = dist.new_group([rank_of(q, d) for d in range(D)]) if dp_size > 1 else dist.group.WORLD
+            if q == dp_rank:
+                self.pp = g
+        self.dp = None
+        if dp_size > 1:
+            for d in range(D):
+                g = dist.new_group([rank_of(q, d) for q in range(dp_size)])
+                if d == pp_rank:
+                    self.dp = g
+        self.sync: dict[tuple, object] = {}
+        for devs in plan.sync_device_sets:
+            for q in range(dp_size):
+                g = dist.new_group([rank_of(q, d) for d in devs])
+                if q == dp_rank and pp_rank in devs:
+                    self.sync[(devs, False)] = g
+            if dp_size > 1:
+                g = dist.new_group([rank_of(q, d) for q in range(dp_size) for d in devs])
+                if pp_rank in devs:
+                    self.sync[(devs, True)] = g
+            else:
+                self.sync[(devs, True)] = self.sync.get((devs, False))
+
+
+class Executor:
+    def __init__(self, plan: Plan, worker: DeviceWorker, *, dp_rank: int = 0, dp_size: int = 1,
+                 device: torch.device = torch.device("cpu"), groups: Groups | None = None, watch=None):
+        self.plan, self.worker, self.me = plan, worker, worker.device
+        self.dp_rank, self.dp_size, self.tdevice = dp_rank, dp_size, device
+        self.rank = dp_rank * plan.num_devices + self.me
+        self.groups = groups or Groups(plan, self.me, dp_rank, dp_size)
+        self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device)
+        self.watch = watch
+
+    def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
+        """Run one iteration of ``plan`` (the training plan or its forward-only twin); returns stats that are
+        the same on every rank: mean loss, global gradient norm (synchronous schedules), busy and wall time."""
+        w = self.worker
+        self.p2p.reset(plan)
+        w.begin(inputs, targets, train=train, plan=plan)
+        t0 = time.perf_counter()
+        grad_norm = float("nan")
+        first_step = True
+        action = None
+        self._dp_done: set[int] = set()
+        try:
+            for i, action in enumerate(plan.actions[self.me]):
+                if isinstance(action, (Forward, Backward)):
+                    data = self._input(plan, action)
+                    out = w.forward(action, data) if isinstance(action, Forward) else w.backward(action, data)
+                    self._deliver(plan, action, out)
+                elif isinstance(action, Sync):
+                    group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
+                    bufs = w.sync_buffers(action.stages)
+                    for b in bufs:
+                        dist.all_reduce(b, group=group)
+                    if action.dp:
+                        self._dp_done.update(action.stages)
+                        for b in bufs:
+                            b.div_(self.dp_size)
+                    for c in w.stages:
+                        if c.stage in action.stages:
+                            w.stages[c].policy.binding.grads_changed()
+                elif isinstance(action, Step):
+                    coef = None
+                    if self.dp_size > 1 and action.stage not in self._dp_done:
+                        self._dp_average(action)
+                    if plan.schedule.synchronous and first_step:
+                        first_step = False
+                        grad_norm = self._global_norm()
+                        if clip_norm is not None:
+                            coef = min(1.0, clip_norm / (grad_norm + 1e-6))
+                    elif plan.schedule.synchronous:
+                        if clip_norm is not None:
+                            coef = min(1.0, clip_norm / (grad_norm + 1e-6))
+                    elif clip_norm is not None:
+                        local = math.sqrt(sum(float(g.double().pow(2).sum())
+                                              for g in w.master_grads([action.chunk])))
+                        coef = min(1.0, clip_norm / (local + 1e-6))
+                    w.step(i, action, coef)
+            action = None
+            self.p2p.finish()
+            w.end()
+        except PipelineError:
+            raise
+        except Exception as e:
+            message = describe_failure(self.rank, self.me, plan, action, e)
+            if self.watch is not None:
+                self.watch.signal(message)
+            raise PipelineError(message) from e
+        wall = time.perf_counter() - t0
+        loss_sum = sum(float(v) for v in w.losses.values())
+        stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall], dtype=torch.float64)
+        dist.all_reduce(stats, group=self.groups.pp)
+        if self.dp_size > 1:
+            dist.all_reduce(stats, group=self.groups.dp)
+        D = plan.num_devices * self.dp_size
+        return {"loss": float(stats[0] / stats[1]), "grad_norm": grad_norm,
+                "busy": float(stats[2]) / D, "wall": float(stats[3]) / D,
+                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12)}
+
+    def _input(self, plan: Plan, op):
+        t = input_transfer(plan.schedule, op) if isinstance(op, Forward) else output_transfer(plan.schedule,
+                                                                                              Forward(op.mb, op.stage, op.replica))
+        if t is None:
+            return None
+        if isinstance(op, Backward):  # gradient comes back from the consumer of this stage's forward output
+            src = t.dst
+        else:
+            src = t.src
+        if src == self.me:
+            return self.worker.local.pop(op)
+        return self.p2p.recv(src, op)
+
+    def _deliver(self, plan: Plan, op, out) -> None:
+        if out is None:
+            return
+        t = output_transfer(plan.schedule, op)
+        if t is None:
+            return
+        if t.local:
+            self.worker.local[t.to_op] = out
+        else:
+            self.p2p.send(t.dst, t.to_op, out)
+
+    def _global_norm(self) -> float:
+        sq = self.worker.sq_norm()
+        dist.all_reduce(sq, group=self.groups.pp)
+        return math.sqrt(float(sq))
+
+    def _dp_average(self, action: Step) -> None:
+        for g in self.worker.stages[action.chunk].policy.binding.groups:
+            dist.all_reduce(g.grad, group=self.groups.dp)
+            g.grad.div_(self.dp_size)
+        self.worker.stages[action.chunk].policy.binding.grads_changed()

@@ -1,0 +1,184 @@
+"""One device's share of a pipeline: its chunks, and what a compute or weight action does to them.
+
+The distributed executor (one ``DeviceWorker`` per process) and the single-process emulator (all workers in
+one process) run the very same code here; they differ only in how tensors travel between workers and how
+collectives are computed. That is what lets the emulator be the executor's oracle.
+
+The worker knows nothing of which weight policy runs: forwards run inside ``policy.forward(mb, s)``, with s
+from the schedule (``Plan.s_forward``), backwards inside ``policy.backward(mb, s)``, and ``Step`` actions call
+``policy.step(next_s=...)``. Every chunk's graph is cut at its boundary: inputs arrive detached and get
+``requires_grad``, so a backward runs one chunk and yields the gradients of that chunk's inputs.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..schedules.actions import Backward, Chunk, Forward, Step
+from .plan import Plan
+
+__all__ = ["StageRuntime", "DeviceWorker", "as_tuple"]
+
+
+def as_tuple(x) -> tuple:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise TypeError(f"a stage must take and return a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+@dataclass
+class StageRuntime:
+    """A chunk's module with its optimizer, LR scheduler and weight policy; ``names`` maps each parameter
+    to its global name (independent of the stage balance; used by checkpoints)."""
+    chunk: Chunk
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    policy: object
+    scheduler: object | None = None
+    names: dict[str, str] = field(default_factory=dict)  # local name -> global name
+    checkpoint: bool = False
+
+
+class DeviceWorker:
+    def __init__(self, plan: Plan, device: int, stages: dict[Chunk, StageRuntime],
+                 loss_fn: Callable, *, autocast_dtype: torch.dtype | None = None, device_type: str = "cpu"):
+        self.plan, self.device, self.stages, self.loss_fn = plan, device, stages, loss_fn
+        self.autocast_dtype, self.device_type = autocast_dtype, device_type
+        self.train = True
+        self.busy = 0.0
+
+    # ---- iteration -------------------------------------------------------------------------------------
+    def begin(self, inputs: list[tuple], targets: list, *, train: bool = True, plan: Plan | None = None) -> None:
+        self.run_plan = plan or self.plan
+        self.inputs, self.targets, self.train = inputs, targets, train
+        self.saved: dict = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.local: dict = {}
+        self.busy = 0.0
+        for st in self.stages.values():
+            st.module.train(train)
+
+    def end(self) -> None:
+        if self.saved:
+            left = ", ".join(str(k) for k in list(self.saved)[:4])
+            raise RuntimeError(f"device {self.device} ended the iteration with forwards that never ran backward: "
+                               f"{left}; the schedule misses their Backward actions")
+        for st in self.stages.values():
+            st.module.train(True)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    # ---- compute ---------------------------------------------------------------------------------------
+    def forward(self, op: Forward, received: tuple | None) -> tuple | None:
+        """Run ``op``; returns the tensors to deliver to its consumer (None on the last stage)."""
+        t0 = time.perf_counter()
+        st = self.stages[op.chunk]
+        if op.stage == 0:
+            xs = self.inputs[op.mb]
+        else:
+            if received is None:
+                raise RuntimeError(f"no input arrived for {op}")
+            xs = tuple(x.requires_grad_(True) if self.train and x.is_floating_point() else x for x in received)
+        last = self.plan.is_last(op.chunk)
+        if self.train:
+            with st.policy.forward(op.mb, s=self.plan.s_forward(op)), self._autocast():
+                out = self._run_module(st, xs)
+                loss = self.loss_fn(out, self.targets[op.mb]) if last else None
+            if last:
+                self.losses[op.mb] = loss.detach().float()
+                self.saved[(op.mb, op.chunk)] = (xs, (loss * self.plan.loss_scale,))
+            else:
+                outs = as_tuple(out)
+                self.saved[(op.mb, op.chunk)] = (xs, outs)
+        else:
+            with torch.no_grad(), self._autocast():
+                out = st.module(*xs)
+                if last:
+                    self.losses[op.mb] = self.loss_fn(out, self.targets[op.mb]).detach().float()
+                else:
+                    outs = as_tuple(out)
+        self.busy += time.perf_counter() - t0
+        if last:
+            return None
+        return tuple(o.detach() for o in outs)
+
+    def _run_module(self, st: StageRuntime, xs: tuple):
+        if st.checkpoint:
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(st.module, *xs, use_reentrant=False)
+        return st.module(*xs)
+
+    def backward(self, op: Backward, grads: tuple | None) -> tuple | None:
+        """Run ``op``; returns its input gradients to deliver (None on stage 0)."""
+        t0 = time.perf_counter()
+        st = self.stages[op.chunk]
+        xs, outs = self.saved.pop((op.mb, op.chunk))
+        if self.plan.is_last(op.chunk):
+            tensors, grad_tensors = list(outs), None
+        else:
+            if grads is None or len(grads) != len(outs):
+                n = "none" if grads is None else len(grads)
+                raise RuntimeError(f"{op}: the stage returned {len(outs)} tensor(s) but {n} gradient(s) came back")
+            tensors, grad_tensors = [], []
+            for i, (o, g) in enumerate(zip(outs, grads)):
+                if g is None or not o.requires_grad:
+                    continue
+                if g.shape != o.shape:
+                    raise RuntimeError(f"{op}: gradient {i} has shape {tuple(g.shape)} but the stage's output {i} "
+                                       f"has shape {tuple(o.shape)}; the next stage changed the shape of its "
+                                       "input in place or returned a gradient for a different tensor")
+                tensors.append(o)
+                grad_tensors.append(g.to(o.dtype))
+        with st.policy.backward(op.mb, s=self.plan.s_backward.get((op.mb, op.chunk), 0)
+                                if getattr(st.policy, "name", "") == "spectrain" else 0):
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        self.busy += time.perf_counter() - t0
+        if op.stage == 0:
+            return None
+        return tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs)
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    def master_grads(self, chunks) -> list[torch.Tensor]:
+        out = []
+        for c in chunks:
+            b = self.stages[c].policy.binding
+            b.sync_grads()
+            out += [g.master_grad for g in b.groups]
+        return out
+
+    def sync_buffers(self, stages) -> list[torch.Tensor]:
+        """Gradient buffers of this device's chunks of ``stages``, in stage order (matches the mirror's)."""
+        chunks = sorted((c for c in self.stages if c.stage in stages), key=lambda c: (c.stage, c.replica))
+        return [g.grad for c in chunks for g in self.stages[c].policy.binding.groups]
+
+    def norm_chunks(self) -> list[Chunk]:
+        """Chunks whose gradients count in the global norm: each stage once (replica 0 holds every stage)."""
+        return [c for c in self.stages if c.replica == 0]
+
+    def sq_norm(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for g in self.master_grads(self.norm_chunks()):
+            total += g.detach().double().pow(2).sum().cpu()
+        return total
+
+    def step(self, index: int, action: Step, clip_coef: float | None = None) -> None:
+        t0 = time.perf_counter()
+        st = self.stages[action.chunk]
+        if clip_coef is not None and clip_coef < 1.0:
+            for g in self.master_grads([action.chunk]):
+                g.mul_(clip_coef)
+        st.policy.step(next_s=self.run_plan.next_s(self.device, index))
+        if st.scheduler is not None:
+            st.scheduler.step()
+        self.busy += time.perf_counter() - t0

@@ -1,0 +1,202 @@
+"""The user-facing pipeline: give layers (or stages), an optimizer factory, a schedule and a weight policy by
+name; call ``train_step(batch)`` on every rank.
+
+    pipe = Pipeline(gpt_layers(cfg), loss_fn=lm_loss, devices=4, schedule="async-1f1b", policy="pipeoptim",
+                    microbatches=8, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    loss = pipe.train_step((tokens, targets))      # same value on every rank
+
+- Model: a list/``nn.Sequential`` of layers plus ``balance`` (layers per stage; default even, or
+  ``balance="time"`` to profile and balance with ``sample=``), or ``stages=[module, ...]`` one per stage.
+  Parameters get global names (``<layer>.<param>``) that do not depend on the balance, so checkpoints load
+  into another balance.
+- ``emulate=True`` runs every device in this process (``runtime.Emulator``); otherwise this process is one
+  rank of a torch.distributed job (torchrun or ``runtime.launch``) and builds only its own chunks.
+- The loss is scaled once (``Plan.loss_scale``); ``clip_norm`` clips by the global norm over the pipeline
+  (synchronous schedules; per stage for asynchronous ones, see executor); ``precision="bf16"`` runs bf16
+  working weights under autocast over fp32 master weights; ``checkpoint_stages`` recomputes activations.
+- ``save(dir)`` / ``load(dir)``: model, optimizer, LR scheduler and policy state per global parameter name.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .partition import balance_by_layers, balance_by_time, check_balance
+from .policies import make_policy
+from .runtime.config import check_policy, make_schedule, stages_for
+from .runtime.emulator import Emulator
+from .runtime.executor import Executor
+from .runtime.plan import ConfigError, Plan
+from .runtime.worker import DeviceWorker, StageRuntime
+from .schedules.actions import Chunk
+
+__all__ = ["Pipeline", "StageModule"]
+
+
+class StageModule(nn.Module):
+    """Consecutive layers as one stage; a layer returning a tuple feeds the next layer's arguments."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *xs):
+        out = xs
+        for layer in self.layers:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        return out
+
+
+class Pipeline:
+    def __init__(self, layers: Sequence[nn.Module] | nn.Sequential | None = None, *, loss_fn: Callable,
+                 optimizer: Callable[[object], torch.optim.Optimizer], devices: int | None = None,
+                 stages: Sequence[nn.Module] | None = None, balance: Sequence[int] | str | None = None,
+                 sample=None, schedule: str = "1f1b", policy: str | None = None, microbatches: int = 4,
+                 lr_scheduler: Callable | None = None, schedule_options: dict | None = None,
+                 policy_options: dict | None = None, clip_norm: float | None = None, precision: str = "fp32",
+                 checkpoint_stages: Sequence[int] | bool = (), emulate: bool = False, device: str = "cpu",
+                 dp: int = 1):
+        if (layers is None) == (stages is None):
+            raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
+                              "module per stage), not both and not neither")
+        if precision not in ("fp32", "bf16"):
+            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
+        ctx = None
+        if not emulate:
+            from .runtime.dist_env import init_from_env
+            ctx = init_from_env(device)
+            if devices is None:
+                devices = ctx.world_size // dp
+        if devices is None:
+            raise ConfigError("emulate=True needs devices= (how many pipeline devices to emulate)")
+        sched_opts = dict(schedule_options or {})
+        n_stages = stages_for(schedule, devices, sched_opts.get("chunks", 2))
+        self.schedule = make_schedule(schedule, devices, microbatches, **sched_opts)
+        self.policy_name = check_policy(self.schedule, policy)
+        self.plan = Plan(self.schedule)
+        self.eval_plan = Plan(self.schedule, forward_only=True)
+        if checkpoint_stages and self.policy_name != "none":
+            raise ConfigError("activation checkpointing recomputes a stage's forward during its backward, which "
+                              f"reads the backward's weights; with policy {self.policy_name!r} the forward read "
+                              "other weights, so gradients would be wrong. Use policy 'none' (any synchronous "
+                              "schedule) or turn checkpointing off")
+        # model -> per-stage layer lists with global names
+        if stages is not None:
+            stages = list(stages)
+            if len(stages) != n_stages:
+                raise ConfigError(f"schedule {schedule!r} on {devices} devices has {n_stages} stages but "
+                                  f"{len(stages)} stage modules were given")
+            self._stage_layers = [[m] for m in stages]
+            self._prefix = [[f"{i}"] for i in range(n_stages)]
+        else:
+            layers = list(layers)
+            if balance is None:
+                balance = balance_by_layers(len(layers), n_stages)
+            elif balance == "time":
+                if sample is None:
+                    raise ConfigError("balance='time' profiles the layers on sample= (the first layer's input)")
+                balance = balance_by_time(layers, sample, n_stages)
+            else:
+                if len(layers) < n_stages:
+                    balance_by_layers(len(layers), n_stages)
+                balance = check_balance(balance, len(layers), n_stages)
+            self.balance = list(balance)
+            starts = [sum(balance[:i]) for i in range(n_stages)]
+            self._stage_layers = [layers[a:a + b] for a, b in zip(starts, balance)]
+            self._prefix = [[str(a + j) for j in range(b)] for a, b in zip(starts, balance)]
+        ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
+        working = torch.bfloat16 if precision == "bf16" else None
+        tdev = torch.device("cpu") if ctx is None else ctx.device
+        self.devices = devices
+        local = range(devices) if emulate else [ctx.rank % devices]
+        self.workers: list[DeviceWorker] = []
+        for d in local:
+            runtimes = {}
+            for c in self.schedule.chunks[d]:
+                runtimes[c] = self._build_chunk(c, optimizer, lr_scheduler, working, policy_options or {},
+                                                ckpt, tdev)
+            self.workers.append(DeviceWorker(self.plan, d, runtimes, loss_fn, autocast_dtype=working,
+                                             device_type=tdev.type))
+        if emulate:
+            self._runner = Emulator(self.plan, self.workers)
+        else:
+            self._runner = Executor(self.plan, self.workers[0], dp_rank=ctx.rank // devices, dp_size=dp,
+                                    device=tdev, watch=ctx.watch)
+        self.device = tdev
+        self.last_stats: dict = {}
+        self.step_count = 0
+
+    def _build_chunk(self, chunk: Chunk, optimizer, lr_scheduler, working, policy_options, ckpt, tdev):
+        layers = [copy.deepcopy(m) for m in self._stage_layers[chunk.stage]]
+        module = StageModule(layers).to(tdev)
+        names = {}
+        for j, prefix in enumerate(self._prefix[chunk.stage]):
+            for pname, _ in layers[j].named_parameters():
+                names[f"layers.{j}.{pname}"] = f"{prefix}.{pname}"
+        opt = optimizer(module.parameters())
+        pol = make_policy(self.policy_name, module, opt, update_every=self.plan.update_every(chunk),
+                          working_dtype=working, **policy_options)
+        sched = lr_scheduler(opt) if lr_scheduler is not None else None
+        return StageRuntime(chunk, module, opt, pol, sched, names, chunk.stage in ckpt)
+
+    # ---- running ----------------------------------------------------------------------------------------
+    def _split(self, batch):
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ValueError("a batch is (inputs, targets); inputs a tensor or a tuple of tensors")
+        inputs, targets = batch
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        N = self.schedule.num_microbatches
+        B = inputs[0].shape[0]
+        if B % N:
+            raise ValueError(f"batch size {B} is not divisible by {N} micro-batches; use a batch size that is a "
+                             f"multiple of {N}")
+        per_input = [x.to(self.device).chunk(N) for x in inputs]
+        micro_inputs = [tuple(p[i] for p in per_input) for i in range(N)]
+        tgt = targets.to(self.device) if isinstance(targets, torch.Tensor) else targets
+        micro_targets = list(tgt.chunk(N)) if isinstance(tgt, torch.Tensor) else [tgt] * N
+        return micro_inputs, micro_targets
+
+    def train_step(self, batch) -> float:
+        """One iteration of the schedule on ``batch`` (split into micro-batches); returns the mean loss, the
+        same on every rank. ``last_stats`` also has the global gradient norm and the bubble fraction."""
+        mi, mt = self._split(batch)
+        self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
+        self.step_count += 1
+        return self.last_stats["loss"]
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        """Forward only through the same pipeline, on the real weights (no prediction, no stash)."""
+        mi, mt = self._split(batch)
+        stats = self._runner.run(self.eval_plan, mi, mt, train=False)
+        return stats["loss"]
+
+    # ---- state --------------------------------------------------------------------------------------------
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Global name -> this process's copy (replica 0 chunks; replica 1 holds the same values)."""
+        out = {}
+        for w in self.workers:
+            for c, st in w.stages.items():
+                if c.replica == 0:
+                    for n, p in st.module.named_parameters():
+                        out[st.names[n]] = p
+        return out
+
+    def state_dict(self) -> dict:
+        from .runtime.checkpoint import pipeline_state
+        return pipeline_state(self)
+
+    def save(self, directory: str, extra: dict | None = None) -> None:
+        """Write this rank's part of a checkpoint (call on every rank); ``extra`` is kept in meta.pt."""
+        from .runtime.checkpoint import save
+        save(self, directory, extra)
+
+    def load(self, directory: str) -> dict:
+        """Load a checkpoint saved with any stage balance; returns the ``extra`` it was saved with."""
+        from .runtime.checkpoint import load
+        return load(self, directory)
