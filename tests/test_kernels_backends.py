@@ -103,3 +103,38 @@ def test_streaming_stores_path_is_exact(tmp_path):
         results.append(torch.load(path))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def _run_without_extension(tmp_path, code: str, env_extra: dict) -> "subprocess.CompletedProcess":
+    """Run `code` in a fresh interpreter where importing pipeoptim_kernels._C fails."""
+    import os
+    import subprocess
+    import sys
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pipeoptim_kernels._C':\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env_extra}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_missing_extension_falls_back_to_eager_with_one_warning(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import pipeoptim_kernels as pk\n"
+        "    print(pk.available_backends())\n"
+        "    pk.available_backends()\n"
+        "    w = torch.randn(5); out = pk.predict('sgd', w, {'momentum_buffer': torch.ones(5)}, {'lr': 0.1, 'momentum': 0.9}, step=1, s=1)\n"
+        "    assert torch.allclose(out, w - 0.1)\n"
+        "print(sum('compiled kernels are not available' in str(c.message) for c in caught))\n")
+    result = _run_without_extension(tmp_path, code, {"PIPEOPTIM_NO_JIT": "1", "TRITON_INTERPRET": "0"})
+    assert result.returncode == 0, result.stderr
+    backends, warnings_count = result.stdout.split("\n")[:2]
+    assert "cpu" not in backends and "eager" in backends
+    assert warnings_count == "1", result.stdout
