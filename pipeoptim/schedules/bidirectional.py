@@ -104,8 +104,15 @@ def _paced_order(shell: Schedule, replicas: list[int], unit_order, bwd_ratio: fl
                for r in recs}
     group_work = shell.num_stages * (1 + bwd_ratio)
 
+    # a micro-batch is planned like the one in the same direction and position of a full group
+    base_mb, seen = [], {}
+    for mb, replica in enumerate(replicas):
+        key = (mb // D, replica)
+        base_mb.append(seen.get(key, 0) + (0 if replica == 0 else D // 2))
+        seen[key] = seen.get(key, 0) + 1
+
     def priority(op: Compute) -> tuple:
-        base = type(op)(op.mb % D, op.stage, op.replica)
+        base = type(op)(base_mb[op.mb], op.stage, op.replica)
         return (planned[base] + (op.mb // D) * group_work, isinstance(op, Forward), -op.stage)
     return list_schedule(shell, replicas, _unit(bwd_ratio), priority)
 

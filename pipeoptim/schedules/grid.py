@@ -60,7 +60,7 @@ def _render(rows: Sequence[Sequence[tuple[float, float, str, Action, bool]]], qu
     cells = [[(round(s / quantum), max(1, round((e - s) / quantum)) if e - s > 1e-12 else 0, text, a, m)
               for s, e, text, a, m in row] for row in rows]
     width = 1 + max([len(t) + (1 if m else 0) for row in cells for _, _, t, _, m in row] + [2])
-    ncols = max([c + max(w, 1) for row in cells for c, w, *_ in row] + [1])
+    ncols = max([c + w for row in cells for c, w, *_ in row if w] + [1])
     head = max(len(x) for x in device_labels)
     step = max(1, math.ceil(6 / width))
     axis = [" "] * (ncols * width)
@@ -77,7 +77,7 @@ def _render(rows: Sequence[Sequence[tuple[float, float, str, Action, bool]]], qu
         for col, w, text, action, mark in row:
             col = max(col, cursor) if w else col
             if w == 0:
-                pos = max(col * width - 1, 0)
+                pos = min(max(col * width - 1, 0), len(line) - 1)
                 line[pos] = "*" if isinstance(action, Sync) else "|"
                 continue
             text = ("!" if mark else "") + text

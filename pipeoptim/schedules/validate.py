@@ -93,8 +93,11 @@ def _check_completeness(s: Schedule) -> None:
                 if (kind.__name__, mb, st) not in seen:
                     op = kind(mb, st, r)
                     d = s.placement[op.chunk]
-                    raise ScheduleError("completeness", f"{s.format(op)} is missing from device {d}", d,
-                                        grid=format_order_grid(s))
+                    # draw the missing action, marked, after the device's last one
+                    shown = s.replace(actions=[list(a) + ([op] if k == d else []) for k, a in enumerate(s.actions)])
+                    detail = f"{s.format(op)} is missing from device {d}"
+                    raise ScheduleError("completeness", detail, d, grid=format_order_grid(
+                        shown, marks=[(d, len(s.actions[d]))], notes=[f"! device {d}: {detail}"]))
 
 
 def _check_weights(s: Schedule) -> None:

@@ -1,0 +1,42 @@
+"""Schedules by name; every rule violation says the rule and a valid alternative."""
+import pytest
+
+from pipeoptim.schedules import INFO, SCHEDULES, ScheduleConfigError, get_schedule, validate
+
+
+def test_all_names_are_registered():
+    assert SCHEDULES == ["gpipe", "1f1b", "interleaved", "chimera", "bitpipe", "async-1f1b", "2bw"]
+    assert [n for n in SCHEDULES if not INFO[n].synchronous] == ["async-1f1b", "2bw"]
+
+
+@pytest.mark.parametrize("name,kwargs,message", [
+    ("bitpipe", dict(devices=3, microbatches=6),
+     "bitpipe needs an even number of devices (got 3); use --devices 4 or the 1f1b schedule"),
+    ("bitpipe", dict(devices=4, microbatches=6),
+     "multiple of the number of devices (got 6 micro-batches on 4 devices); use --microbatches 4 or 8"),
+    ("interleaved", dict(devices=4, microbatches=2), "use --microbatches 4, or the 1f1b schedule"),
+    ("chimera", dict(devices=5, microbatches=4), "chimera needs an even number of devices (got 5); use --devices 6"),
+    ("chimera", dict(devices=4, microbatches=3), "even number of micro-batches"),
+    ("2bw", dict(devices=4, microbatches=8, update_every=2), "use --update-every 4"),
+    ("2bw", dict(devices=4, microbatches=6), "use --microbatches 4 or 8"),
+    ("1f1b", dict(devices=4, microbatches=4, chunks=2), "interleaved schedule only"),
+    ("1f1b", dict(devices=0, microbatches=4), "positive integer"),
+    ("1f1b", dict(devices=4, microbatches=4, concat="paced"), "chimera and bitpipe schedules only"),
+    ("zb", dict(devices=4, microbatches=4), "unknown schedule 'zb'; choose one of gpipe, 1f1b"),
+])
+def test_rules_give_clear_errors(name, kwargs, message):
+    with pytest.raises(ScheduleConfigError) as e:
+        get_schedule(name, **kwargs)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "async-1f1b", "chimera"])
+def test_fewer_microbatches_than_devices_where_allowed(name):
+    s = get_schedule(name, devices=8, microbatches=2)
+    validate(s)
+    assert s.num_microbatches == 2
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_pp2_works_for_every_schedule(name):
+    validate(get_schedule(name, devices=2, microbatches=4))
