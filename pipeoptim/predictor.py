@@ -131,13 +131,15 @@ class Predictor:
             for i, buf in enumerate(self.buffers):
                 saved.watch(buf, i)
         self._tag: tuple | None = None  # what the buffers hold: (version, s, lrs, mode) of a prediction
-        self._remove = binding.on_after_step(self._invalidate)
+        self._remove = binding.on_after_step(self.invalidate)
         self.lent = False
 
     def _own_direction(self, g: FlatGroup) -> tuple[str, dict, dict, str]:
         return g.rule, self.binding.state_for_kernel(g), self.binding.group_hparams(g), self.mode
 
-    def _invalidate(self) -> None:
+    def invalidate(self) -> None:
+        """Forget the cached prediction (it is also forgotten after every optimizer step, and whenever the
+        step, s, lr or mode it was made for no longer holds)."""
         self._tag = None
 
     def nbytes(self) -> int:
