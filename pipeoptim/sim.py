@@ -275,15 +275,16 @@ def with_ratio(costs: Costs, bwd_ratio: float) -> Costs:
 
 
 def _ratio(costs: Costs) -> float:
-    f, b = costs.forward, costs.backward
-    if isinstance(f, (int, float)) and isinstance(b, (int, float)):
-        return float(b) / float(f)
-    return sum(b) / sum(f)
+    """Overall backward/forward cost ratio (what the paced concatenation is planned for)."""
+    def total(v: PerStage) -> float:
+        return float(v) if isinstance(v, (int, float)) else sum(v) / len(v)
+    return total(costs.backward) / total(costs.forward)
 
 
 def compare(devices: int, microbatches: int, costs: Costs | None = None, names: Sequence[str] | None = None,
             chunks: int = 2) -> list[dict]:
-    """One ``SimResult.summary()`` row per schedule (both concatenations of chimera and bitpipe), plus ``steady_bubble``.
+    """One ``SimResult.summary()`` row per schedule (chimera and bitpipe: both concatenations), plus
+    ``steady_bubble``.
 
     ``bubble_ratio`` covers one window of N micro-batches, fill and drain included. ``steady_bubble`` is the
     bubble per N micro-batches of a long run: the same for flushing schedules, which pay fill and drain every

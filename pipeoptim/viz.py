@@ -8,7 +8,6 @@ The trace opens in chrome://tracing or ui.perfetto.dev with one track per device
 from __future__ import annotations
 
 import json
-from typing import Sequence
 
 from .schedules.actions import Backward, Forward, Step, Sync
 from .schedules.grid import format_grid, label

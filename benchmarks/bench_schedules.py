@@ -1,0 +1,130 @@
+"""How do the schedules compare as the pipeline deepens? Bubble ratio, makespan, memory and traffic of every
+schedule (both BitPipe and Chimera concatenations) at D = 4, 8, 16, 32 and several N, with backward = forward
+and backward = 2 x forward, free communication. Simulated (pipeoptim.sim), so it runs on any machine.
+
+Writes benchmarks/results/schedules.csv, schedules_bubble.png (bubble vs N, one panel per D and ratio) and
+schedules_bitpipe.png (reference vs paced BitPipe concatenation against interleaved 1F1B), and prints the
+command that produced them.
+
+    python benchmarks/bench_schedules.py                 # the full sweep (about a minute)
+    python benchmarks/bench_schedules.py --devices 4 8 --multiples 1 2 --out /tmp/r
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shlex
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from pipeoptim.sim import Costs, compare  # noqa: E402
+
+FIELDS = ["devices", "microbatches", "bwd_ratio", "schedule", "bubble_ratio", "steady_bubble", "makespan",
+          "peak_activations", "weight_copies", "weight_versions", "p2p_bytes_per_device", "allreduce_bytes_total",
+          "error"]
+
+
+def sweep(devices: list[int], multiples: list[int], ratios: list[float]) -> list[dict]:
+    rows = []
+    for D in devices:
+        for k in multiples:
+            for ratio in ratios:
+                t0 = time.perf_counter()
+                for r in compare(D, k * D, Costs(forward=1.0, backward=ratio)):
+                    rows.append({**r, "bwd_ratio": ratio})
+                print(f"  D={D:2d} N={k * D:3d} B/F={ratio:g}: {time.perf_counter() - t0:.1f}s", flush=True)
+    return rows
+
+
+def plot_bubbles(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = sorted({r["devices"] for r in rows})
+    ratios = sorted({r["bwd_ratio"] for r in rows})
+    names = list(dict.fromkeys(r["schedule"] for r in rows))
+    fig, axes = plt.subplots(len(ratios), len(devices), figsize=(4.2 * len(devices), 3.6 * len(ratios)),
+                             dpi=110, squeeze=False, sharey=True)
+    styles = {n: (c, m) for n, c, m in zip(names, plt.get_cmap("tab10").colors, "os^vD<>ph*")}
+    for i, ratio in enumerate(ratios):
+        for j, D in enumerate(devices):
+            ax = axes[i][j]
+            for name in names:
+                pts = sorted((r["microbatches"], r["steady_bubble"]) for r in rows
+                             if r["schedule"] == name and r["devices"] == D and r["bwd_ratio"] == ratio
+                             and not r.get("error"))
+                if pts:
+                    colour, marker = styles[name]
+                    ax.plot(*zip(*pts), marker=marker, color=colour, label=name,
+                            ls="--" if name in ("async-1f1b", "2bw") else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"D={D}, backward = {ratio:g} x forward", fontsize=9)
+            ax.set_xlabel("micro-batches N")
+            ax.grid(alpha=0.3)
+        axes[i][0].set_ylabel("bubble ratio (per N micro-batches)")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("bubble = idle / (D x time); async schedules (dashed): steady state, they never flush",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_bitpipe(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = sorted({r["devices"] for r in rows})
+    ratio = max(r["bwd_ratio"] for r in rows)
+    fig, axes = plt.subplots(1, len(devices), figsize=(4.2 * len(devices), 3.6), dpi=110, squeeze=False)
+    for ax, D in zip(axes[0], devices):
+        for name, colour in (("interleaved", "#55a868"), ("bitpipe[reference]", "#c44e52"),
+                             ("bitpipe[paced]", "#4c72b0"), ("1f1b", "#999999")):
+            pts = sorted((r["microbatches"], r["bubble_ratio"]) for r in rows if r["schedule"] == name
+                         and r["devices"] == D and r["bwd_ratio"] == ratio and not r.get("error"))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colour, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={D}, backward = {ratio:g} x forward", fontsize=9)
+        ax.set_xlabel("micro-batches N")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("bubble ratio")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("BitPipe: reference (direct) vs paced concatenation of groups of D micro-batches", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--multiples", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="N = multiple x D (default 1 2 4 8)")
+    p.add_argument("--bwd-ratio", type=float, nargs="+", default=[1.0, 2.0])
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = p.parse_args(argv)
+    command = "python benchmarks/bench_schedules.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    print(f"command: {command.strip()}")
+    os.makedirs(args.out, exist_ok=True)
+    rows = sweep(args.devices, args.multiples, args.bwd_ratio)
+    csv_path = os.path.join(args.out, "schedules.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    plot_bubbles(rows, os.path.join(args.out, "schedules_bubble.png"))
+    plot_bitpipe(rows, os.path.join(args.out, "schedules_bitpipe.png"))
+    print(f"wrote {csv_path}, schedules_bubble.png, schedules_bitpipe.png in {args.out}")
+    print(f"command: {command.strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
