@@ -69,6 +69,8 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concat", choices=("reference", "paced"), default="reference",
                    help="chimera/bitpipe: how groups of D micro-batches are joined (default reference)")
     p.add_argument("--update-every", type=_positive_int, default=None, help="2bw: micro-batches per update m")
+    p.add_argument("--data-parallel", action="store_true",
+                   help="add gradient syncs across data-parallel copies of the pipeline")
     p.add_argument("--png", help="write a timeline chart here")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here")
     p.add_argument("--text", help="write the schedule in text notation here")
@@ -81,7 +83,8 @@ def _schedule_run(args: argparse.Namespace) -> int:
     from .sim import Costs, simulate
     try:
         schedule = get_schedule(args.name, args.devices, args.microbatches, chunks=args.chunks,
-                                concat=args.concat, bwd_ratio=args.bwd_ratio, update_every=args.update_every)
+                                concat=args.concat, bwd_ratio=args.bwd_ratio, update_every=args.update_every,
+                                data_parallel=args.data_parallel)
     except ScheduleConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -193,6 +196,15 @@ def _compare_run(args: argparse.Namespace) -> int:
 register("schedule", "print, draw and time one schedule", _schedule_arguments, _schedule_run)
 register("compare-schedules", "tabulate bubble, memory and traffic of all schedules", _compare_arguments,
          _compare_run)
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    from .runtime.cli_train import add_arguments
+    add_arguments(p)
+
+
+register("train", "train a small GPT on the stdlib corpus through a pipeline (4 local processes by default)",
+         _train_arguments, lazy("pipeoptim.runtime.cli_train", "run"))
 
 
 def build_parser() -> argparse.ArgumentParser:

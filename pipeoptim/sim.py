@@ -165,15 +165,15 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
             return costs.handoff
         return costs.p2p_latency + boundary_bytes(tr) / costs.p2p_bandwidth
 
-    def sync_bytes(device: int, sync: Sync) -> float:
-        return sum(params[c.stage] for c in s.chunks[device] if c.stage in sync.stages)
+    def sync_bytes(sync: Sync) -> float:
+        # every member holds each synced stage once (mirror syncs pair different replicas' copies)
+        return sum(params[st] for st in sync.stages)
 
     def members(sync: Sync) -> int:
         return max(len(sync.devices), 1) * (costs.dp_size if sync.dp else 1)
 
     def sync_time(sync: Sync) -> float:
-        volume = max(sync_bytes(d, sync) for d in (sync.devices or range(D)))
-        return costs.allreduce_latency + _ring(members(sync)) * volume / costs.allreduce_bandwidth
+        return costs.allreduce_latency + _ring(members(sync)) * sync_bytes(sync) / costs.allreduce_bandwidth
 
     timeline = run_timeline(s, duration, transfer_time, sync_time, sync_blocking)
     if not timeline.complete:
@@ -200,7 +200,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
             elif isinstance(a, Step):
                 current[a.chunk] += 1
             elif isinstance(a, Sync):
-                ar_bytes[d] += _ring(members(a)) * sync_bytes(d, a)
+                ar_bytes[d] += _ring(members(a)) * sync_bytes(a)
             alive = {(c, v) for (c, _), v in used.items()} | {(c, v) for c, v in current.items()}
             peak_versions = max(peak_versions, len(alive) * unit)
             if isinstance(a, (Forward, Backward)):

@@ -40,3 +40,23 @@ def test_fewer_microbatches_than_devices_where_allowed(name):
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_pp2_works_for_every_schedule(name):
     validate(get_schedule(name, devices=2, microbatches=4))
+
+
+def test_data_parallel_adds_syncs_where_each_kind_of_schedule_needs_them():
+    from pipeoptim.schedules import Backward, Step, Sync
+    one = get_schedule("1f1b", 2, 2, data_parallel=True)
+    assert [str(a) for a in one.actions[0]][-2:] == ["SYNC:s0@:dp", "STEP:s0"]
+    il = get_schedule("interleaved", 2, 4, data_parallel=True)
+    for d, acts in enumerate(il.actions):          # eager: right after each chunk's last backward
+        for i, a in enumerate(acts):
+            if isinstance(a, Sync):
+                assert isinstance(acts[i - 1], Backward) and acts[i - 1].stage == a.stages[0]
+                assert not any(isinstance(b, Backward) and b.stage == a.stages[0] for b in acts[i:])
+    bp = get_schedule("bitpipe", 4, 4, data_parallel=True)
+    assert all(a.dp and len(a.devices) == 2 for acts in bp.actions for a in acts if isinstance(a, Sync))
+    asy = get_schedule("async-1f1b", 2, 3, data_parallel=True)
+    for acts in asy.actions:
+        steps = [i for i, a in enumerate(acts) if isinstance(a, Step)]
+        assert steps and all(acts[i - 1] == Sync((acts[i].stage,), (), dp=True) for i in steps)
+    for s in (one, il, bp, asy):
+        validate(s)

@@ -16,7 +16,7 @@ from .dataflow import consumer, input_transfer, output_transfer, producer, requi
 from .errors import ScheduleConfigError, ScheduleError
 from .grid import format_grid, format_order_grid
 from .lower import lower
-from .registry import INFO, SCHEDULES, ScheduleInfo, get_schedule
+from .registry import INFO, SCHEDULES, ScheduleInfo, get_schedule, with_data_parallel
 from .schedule import Schedule
 from .staleness import max_version_difference, version_difference
 from .timeline import Timeline, run_timeline, unit_durations
@@ -27,7 +27,7 @@ __all__ = [
     "format_action", "parse_action", "is_compute",
     "consumer", "producer", "requirements", "input_transfer", "output_transfer",
     "ScheduleConfigError", "ScheduleError", "format_grid", "format_order_grid", "lower",
-    "INFO", "SCHEDULES", "ScheduleInfo", "get_schedule", "Schedule",
+    "INFO", "SCHEDULES", "ScheduleInfo", "get_schedule", "with_data_parallel", "Schedule",
     "version_difference", "max_version_difference", "Timeline", "run_timeline", "unit_durations",
     "validate", "check_rendezvous",
 ]

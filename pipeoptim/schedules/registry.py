@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from .actions import Backward, Step, Sync
 from .asynchronous import async_1f1b, two_bw
 from .bidirectional import CONCATS, bitpipe, chimera
 from .errors import ScheduleConfigError
 from .schedule import Schedule
 from .synchronous import gpipe, interleaved, one_f_one_b
 
-__all__ = ["SCHEDULES", "ScheduleInfo", "INFO", "get_schedule"]
+__all__ = ["SCHEDULES", "ScheduleInfo", "INFO", "get_schedule", "with_data_parallel"]
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,15 @@ def _multiple_of_devices(name: str, devices: int, microbatches: int) -> None:
 
 def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | None = None,
                  concat: str = "reference", bwd_ratio: float = 2.0,
-                 update_every: int | None = None) -> Schedule:
+                 update_every: int | None = None, data_parallel: bool = False) -> Schedule:
     """Generate schedule ``name`` for ``devices`` pipeline ranks and ``microbatches`` micro-batches.
 
     chunks:        interleaved only: chunks per device v (default 2).
     concat:        chimera and bitpipe: "reference" or "paced" concatenation of groups (bidirectional.py).
     bwd_ratio:     chimera and bitpipe "paced": backward/forward cost ratio the order is planned for.
     update_every:  2bw only: micro-batches per weight update m (default D; must be >= D).
+    data_parallel: the pipeline is one of several data-parallel copies: add their gradient syncs
+                   (``with_data_parallel``).
     """
     if name not in INFO:
         close = [s for s in SCHEDULES if s.startswith(name[:2])] or SCHEDULES
@@ -100,7 +103,36 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
         "async-1f1b": lambda: async_1f1b(devices, microbatches),
         "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every),
     }
-    return build[name]()
+    schedule = build[name]()
+    return with_data_parallel(schedule) if data_parallel else schedule
+
+
+def with_data_parallel(schedule: Schedule) -> Schedule:
+    """``schedule`` as one of several data-parallel copies: gradients are also averaged across the copies.
+
+    Existing syncs (Chimera's and BitPipe's mirror syncs) widen to the data-parallel group (``dp=True``: one
+    all-reduce over mirror and copies). Otherwise synchronous schedules sync each chunk eagerly, right after its
+    last backward (overlapping the remaining backwards, as DDP does), and asynchronous ones sync before every
+    step.
+    """
+    actions = []
+    for d, acts in enumerate(schedule.actions):
+        acts = list(acts)
+        if any(isinstance(a, Sync) for a in acts):
+            acts = [Sync(a.stages, a.devices, dp=True) if isinstance(a, Sync) else a for a in acts]
+        elif schedule.synchronous:
+            for chunk in schedule.chunks[d]:
+                last = max(i for i, a in enumerate(acts) if isinstance(a, Backward) and a.chunk == chunk)
+                acts.insert(last + 1, Sync((chunk.stage,), (), dp=True))
+        else:
+            out = []
+            for a in acts:
+                if isinstance(a, Step):
+                    out.append(Sync((a.stage,), (), dp=True))
+                out.append(a)
+            acts = out
+        actions.append(acts)
+    return schedule.replace(actions=actions, params={**schedule.params, "data_parallel": True})
 
 
 def _interleaved(devices: int, microbatches: int, v: int) -> Schedule:
