@@ -117,15 +117,17 @@ def save_trace(result: SimResult, path: str, us_per_unit: float = 1000.0) -> str
 
 
 def save_comparison_png(rows_by_ratio: dict, path: str, title: str = "") -> str:
-    """Bar charts of bubble ratio, peak activations, weight versions and p2p traffic per schedule, one bar per
-    backward/forward ratio (``rows_by_ratio``: ratio -> rows from ``sim.compare``)."""
+    """Bar charts of bubble ratio (steady: asynchronous schedules never flush), peak activations, weight versions
+    and p2p traffic per schedule, one bar per backward/forward ratio (``rows_by_ratio``: ratio -> rows from
+    ``sim.compare``; schedules excluded by their rules show no bar)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ratios = list(rows_by_ratio)
     names = [r["schedule"] for r in rows_by_ratio[ratios[0]]]
-    metrics = [("bubble_ratio", "bubble ratio (one window)"), ("peak_activations", "peak activations"),
+    metrics = [("steady_bubble", "bubble ratio (per N micro-batches, long run)"),
+               ("peak_activations", "peak activations (stage units)"),
                ("weight_versions", "weight versions (D-ths of model)"),
                ("p2p_bytes_per_device", "p2p traffic per device")]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 4.0), dpi=110)
@@ -134,21 +136,21 @@ def save_comparison_png(rows_by_ratio: dict, path: str, title: str = "") -> str:
     for ax, (key, name) in zip(axes, metrics):
         for j, ratio in enumerate(ratios):
             rows = {r["schedule"]: r for r in rows_by_ratio[ratio]}
-            values = [rows[n].get(key, 0.0) if "error" not in rows[n] else 0.0 for n in names]
+            values = [rows[n].get(key, rows[n].get("bubble_ratio", 0.0)) if "error" not in rows[n] else 0.0
+                      for n in names]
             xs = [i + (j - (len(ratios) - 1) / 2) * width for i in range(len(names))]
             ax.bar(xs, values, width, color=colours[j % len(colours)], label=f"B/F = {ratio:g}")
-            if key == "bubble_ratio":
+            if key == "steady_bubble":
                 for x, v in zip(xs, values):
                     ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
         ax.set_title(name, fontsize=9)
-        if key != "bubble_ratio" and len(ratios) > 1:
-            ax.text(0.02, 0.98, "(same for every ratio)", transform=ax.transAxes, fontsize=7, va="top")
-    axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+        ax.margins(y=0.15)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", fontsize=8, ncol=len(ratios))
+    fig.suptitle(title or "schedules compared", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path)
     plt.close(fig)
     return path
