@@ -50,6 +50,18 @@ Communication actions (derived by ``lower.py``; generators emit compute and weig
 ``Handoff(op)``     the output of ``op`` becomes, without communication, the input of the next compute of the
                     same micro-batch on this device (BitPipe's V-turn, where stages D-1 and D share a device).
 
+Executing a lowered schedule (``validate`` returns one; every rule below is checked there)
+------------------------------------------------------------------------------------------
+Walk the device's list in order. ``Recv``: post the receive (``irecv`` may be posted early; a blocking one is
+also safe, the order is deadlock-free under rendezvous semantics) and file it under its op. ``Forward``: take
+its input from the data loader (stage 0), the filed receive, or the hand-off buffer; run it; keep what its
+backward needs. ``Send``: send that output (``isend``). ``Handoff``: put that output in the hand-off buffer of
+the consumer op. ``Backward``: take the output gradient from the loss (last stage), a receive or the hand-off
+buffer; accumulate weight gradients; free the activations. ``Sync``: all-reduce the gradients of the local
+chunks of its stages among its devices (and the data-parallel group if ``dp``); it may run asynchronously,
+but a later ``Step`` of those stages must wait for it. ``Step``: optimizer step of that chunk, then zero its
+gradient. For asynchronous schedules ``staleness.version_difference`` gives each forward's s.
+
 Text notation (one token per action, no spaces; ``parse_action(format_action(a)) == a``)
 ----------------------------------------------------------------------------------------
 ``F3s5``  forward of micro-batch 3 on stage 5 (replica 0).      ``B3s5`` the backward.
