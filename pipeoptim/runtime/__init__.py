@@ -7,13 +7,24 @@
     comm               point-to-point messages with shape headers, in a deadlock-free order
     faults, launcher   one failing rank ends all ranks with its error; local N-process launcher
     config             names -> checked configuration, before any process starts
-"""
-from .config import make_schedule, check_policy, SCHEDULES
-from .emulator import Emulator
-from .executor import Executor
-from .launcher import launch
-from .plan import ConfigError, PipelineError, Plan
-from .worker import DeviceWorker, StageRuntime
+    checkpoint         state keyed by global parameter names
+    cli_train          the ``pipeoptim train`` subcommand
 
-__all__ = ["Plan", "ConfigError", "PipelineError", "DeviceWorker", "StageRuntime", "Executor", "Emulator",
-           "launch", "make_schedule", "check_policy", "SCHEDULES"]
+Names are imported lazily so that ``pipeoptim --help`` does not load torch.distributed.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Plan": "plan", "ConfigError": "plan", "PipelineError": "plan",
+    "DeviceWorker": "worker", "StageRuntime": "worker", "Executor": "executor", "Emulator": "emulator",
+    "launch": "launcher", "make_schedule": "config", "check_policy": "config", "SCHEDULES": "config",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

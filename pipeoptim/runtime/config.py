@@ -79,6 +79,12 @@ def make_schedule(name: str, devices: int, microbatches: int, **params) -> Sched
         raise ConfigError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     _rules(key, devices, microbatches, params)
     try:
+        from ..schedules.registry import get_schedule
+    except ImportError:  # older schedules package without a registry
+        get_schedule = None
+    try:
+        if get_schedule is not None:
+            return get_schedule(key, devices, microbatches, **params)
         return gens[key](devices, microbatches, **params)
     except TypeError as e:
         raise ConfigError(f"schedule {key!r} does not take parameters {sorted(params)}: {e}") from None

@@ -30,6 +30,7 @@ class AbortWatch:
         self.store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=60),
                                    wait_for_workers=False)
         self._origin = False
+        self.won: bool | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="pipeoptim-abort-watch", daemon=True)
 
@@ -40,13 +41,17 @@ class AbortWatch:
     def stop(self) -> None:
         self._stop.set()
 
-    def signal(self, message: str) -> None:
-        """Publish this rank's error for every rank (the first error published wins)."""
+    def signal(self, message: str) -> bool:
+        """Publish this rank's error for every rank; True if it is the first error published (the cause)."""
         self._origin = True
+        if self.won is not None:
+            return self.won
         try:
-            self.store.compare_set(ABORT_KEY, "", message)
+            current = self.store.compare_set(ABORT_KEY, "", message)
+            self.won = current.decode(errors="replace") == message
         except Exception:  # the store is gone: the launcher still kills the siblings
-            pass
+            self.won = False
+        return self.won
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -36,11 +36,15 @@ def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, fn, ar
     try:
         result = fn(*args)
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
+        import multiprocessing.util
+        multiprocessing.util._run_finalizers(0)  # release semaphores (tqdm's lock) before the hard exit
     except BaseException as e:
         from . import dist_env
+        first = True
         if dist_env._CONTEXT is not None and dist_env._CONTEXT.watch is not None:
-            dist_env._CONTEXT.watch.signal(f"rank {rank}: {type(e).__name__}: {e}")
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
+            first = dist_env._CONTEXT.watch.signal(f"rank {rank}: {type(e).__name__}: {e}")
+        # a rank that failed only because another one did (e.g. its peer's connection closed) is secondary
+        with open(os.path.join(workdir, f"{'error' if first else 'secondary'}{rank}.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: process-group destructors may wait on dead peers
@@ -83,9 +87,11 @@ def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: floa
             path = os.path.join(workdir, f"error{r}.txt")
             if os.path.exists(path):
                 errors.append((r, open(path).read()))
-        if not errors:
+        for kind in ("secondary", "abort"):
+            if errors:
+                break
             for r in range(nprocs):
-                path = os.path.join(workdir, f"abort{r}.txt")
+                path = os.path.join(workdir, f"{kind}{r}.txt")
                 if os.path.exists(path):
                     errors.append((r, open(path).read()))
         elapsed = time.monotonic() - start

@@ -1,0 +1,52 @@
+"""Shared fixtures for the runtime tests: a small GPT, a fixed batch, the cases each schedule runs, and the
+worker functions the spawned ranks execute (module-level, so spawned processes can import them)."""
+from __future__ import annotations
+
+import torch
+
+from pipeoptim.models import GPTConfig, gpt_layers
+from pipeoptim.models.gpt import lm_loss
+
+CFG = GPTConfig(seq_len=8, d_model=16, n_heads=2, n_layers=6)  # 8 layers: enough for BitPipe on 4 devices
+STEPS = 2
+
+# (schedule, policy, devices, microbatches, dp, options)
+SYNC_CASES = [("gpipe", None, 4, 4, 1, {}), ("1f1b", None, 4, 4, 1, {}), ("interleaved", None, 4, 4, 1, {}),
+              ("chimera", None, 4, 4, 1, {}), ("bitpipe", None, 4, 4, 1, {}), ("1f1b", None, 2, 2, 2, {})]
+ASYNC_CASES = [("async-1f1b", p, 4, 4, 1, {}) for p in ("none", "stash", "spectrain", "pipeoptim")] + \
+              [("2bw", "2bw", 4, 8, 1, {}), ("async-1f1b", "pipeoptim", 2, 4, 2, {})]
+
+
+def batch(step: int, n: int = 8):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 256, (n, CFG.seq_len), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def make_pipeline(case, emulate: bool, optimizer=adamw, **kw):
+    from pipeoptim.train import Pipeline
+    sched, policy, D, N, dp, opts = case
+    return Pipeline(gpt_layers(CFG, seed=1), loss_fn=lm_loss, optimizer=optimizer, devices=D, schedule=sched,
+                    policy=policy, microbatches=N, emulate=emulate, dp=1 if emulate else dp, **opts, **kw)
+
+
+def train(pipe, steps: int = STEPS):
+    losses, norms = [], []
+    for i in range(steps):
+        losses.append(pipe.train_step(batch(i)))
+        norms.append(pipe.last_stats["grad_norm"])
+    params = {k: v.detach().float().clone() for k, v in pipe.named_parameters().items()}
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def run_cases(cases):
+    """Rank side: train every case in turn (a data-parallel case uses the ranks as D x dp)."""
+    return [train(make_pipeline(c, emulate=False)) for c in cases]

@@ -1,0 +1,43 @@
+"""Partitioning: even splits, the min-max contiguous cut, and the rule that every stage needs a layer."""
+import pytest
+import torch
+
+from pipeoptim.partition import balance_by_cost, balance_by_layers, balance_by_time, check_balance
+from pipeoptim.runtime.plan import ConfigError
+
+
+def test_even_split_puts_extra_layers_last():
+    assert balance_by_layers(6, 4) == [1, 1, 2, 2]
+    assert balance_by_layers(8, 4) == [2, 2, 2, 2]
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ConfigError, match="at most 3 stages"):
+        balance_by_layers(3, 4)
+
+
+def test_min_max_cut_is_optimal():
+    costs = [1, 1, 1, 10, 1, 1, 1, 1]
+    bal = balance_by_cost(costs, 3)
+    assert bal == [3, 1, 4]
+    # brute force: no contiguous cut has a smaller maximum
+    best = min(max(sum(costs[:i]), sum(costs[i:j]), sum(costs[j:])) for i in range(1, 7) for j in range(i + 1, 8))
+    parts, start = [], 0
+    for b in bal:
+        parts.append(sum(costs[start:start + b]))
+        start += b
+    assert max(parts) == best
+
+
+def test_profiled_balance_gives_the_heavy_layer_its_own_stage():
+    layers = [torch.nn.Linear(8, 8), torch.nn.Sequential(*[torch.nn.Linear(8, 512), torch.nn.Linear(512, 8)] * 8),
+              torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    bal = balance_by_time(layers, torch.randn(256, 8), 2)
+    assert bal[0] in (1, 2) and sum(bal) == 4
+
+
+def test_check_balance_messages():
+    with pytest.raises(ConfigError, match="covers 5 layers"):
+        check_balance([2, 3], 6, 2)
+    with pytest.raises(ConfigError, match="at least one layer"):
+        check_balance([0, 6], 6, 2)

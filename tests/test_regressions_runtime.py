@@ -1,0 +1,70 @@
+"""Regression tests for runtime failures that used to (or could) hang: one rank raising must end every rank
+quickly with that rank's error, named by rank, stage and action."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipeoptim.runtime import PipelineError, launch
+
+
+class Boom(nn.Module):
+    """Identity that raises on its ``at``-th call on rank ``rank``."""
+
+    def __init__(self, rank: int, at: int):
+        super().__init__()
+        self.rank, self.at, self.calls = rank, at, 0
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.calls += 1
+        if int(os.environ["RANK"]) == self.rank and self.calls == self.at:
+            raise RuntimeError("injected failure")
+        return self.lin(x)
+
+
+def _job(fail_rank: int):
+    from pipeoptim.train import Pipeline
+    layers = [Boom(fail_rank, 3) for _ in range(4)]
+    p = Pipeline(layers, loss_fn=lambda y, t: (y - t).pow(2).mean(), schedule="1f1b", microbatches=4,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for _ in range(3):
+        p.train_step((torch.randn(8, 4), torch.randn(8, 4)))
+    return "finished"
+
+
+@pytest.mark.parametrize("fail_rank", [1, 3])
+def test_one_rank_raising_ends_all_ranks_quickly(fail_rank):
+    t0 = time.monotonic()
+    # grace_s is long: the other ranks must stop on their own (abort watchdog), not be killed by the launcher
+    with pytest.raises(PipelineError) as info:
+        launch(_job, 4, fail_rank, grace_s=60, timeout_s=90)
+    elapsed = time.monotonic() - t0
+    text = str(info.value)
+    assert f"rank {fail_rank}" in text and f"stage {fail_rank}" in text and "injected failure" in text
+    assert "action F2s" in text
+    assert elapsed < 30, f"ranks took {elapsed:.0f} s to stop"
+
+
+def _shape_job():
+    from pipeoptim.train import Pipeline
+
+    class Narrow(nn.Module):
+        def forward(self, x):
+            return x[:, :3]  # the next stage expects width 4
+
+    p = Pipeline([nn.Linear(4, 4), Narrow(), nn.Linear(4, 4)], balance=[2, 1],
+                 loss_fn=lambda y, t: (y - t).pow(2).mean(), schedule="gpipe", microbatches=2,
+                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    p.train_step((torch.randn(4, 4), torch.randn(4, 4)))
+
+
+def test_shape_mismatch_across_a_boundary_is_an_error_not_a_hang():
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match=r"rank 1 .*stage 1, action F0s1.*shapes cannot be multiplied"):
+        launch(_shape_job, 2, grace_s=60, timeout_s=90)
+    assert time.monotonic() - t0 < 30

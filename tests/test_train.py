@@ -1,0 +1,128 @@
+"""The Pipeline API: configuration errors before anything runs, eval, mixed precision, clipping, activation
+checkpointing, checkpoints (resume equals uninterrupted; load into another balance)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime_cases as rc
+from pipeoptim.models import gpt_layers
+from pipeoptim.models.gpt import lm_loss
+from pipeoptim.runtime.plan import ConfigError, PipelineError
+from pipeoptim.train import Pipeline
+
+
+def _pipe(**kw):
+    opts = dict(loss_fn=lm_loss, optimizer=rc.adamw, devices=4, schedule="async-1f1b", policy="pipeoptim",
+                microbatches=4, emulate=True)
+    opts.update(kw)
+    return Pipeline(gpt_layers(rc.CFG, seed=1), **opts)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(schedule="zigzag"), "unknown schedule"),
+    (dict(policy="magic"), "unknown weight policy"),
+    (dict(schedule="1f1b", policy="pipeoptim"), "synchronous"),
+    (dict(schedule="bitpipe", devices=3, policy=None), "even number"),
+    (dict(schedule="bitpipe", devices=4, microbatches=6, policy=None), "multiple"),
+    (dict(devices=16), "layers"),
+    (dict(balance=[1, 1, 1]), "entries"),
+    (dict(checkpoint_stages=True), "checkpointing"),
+])
+def test_invalid_configurations_fail_with_the_rule(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        _pipe(**kw)
+
+
+def test_eval_then_train_and_eval_uses_real_weights():
+    p = _pipe()
+    before = {k: v.clone() for k, v in p.named_parameters().items()}
+    e1 = p.eval_step(rc.batch(0))
+    assert all(torch.equal(before[k], v) for k, v in p.named_parameters().items())
+    assert p.eval_step(rc.batch(0)) == e1
+    p.train_step(rc.batch(0))
+    assert p.eval_step(rc.batch(0)) != e1
+
+
+def test_microbatches_fewer_than_stages():
+    p = _pipe(schedule="1f1b", policy=None, microbatches=2)
+    assert torch.isfinite(torch.tensor(p.train_step(rc.batch(0))))
+
+
+def test_bf16_trains_with_fp32_masters():
+    p = _pipe(schedule="1f1b", policy=None, precision="bf16")
+    losses = [p.train_step(rc.batch(0)) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    st = next(iter(p.workers[0].stages.values()))
+    assert next(st.module.parameters()).dtype == torch.bfloat16
+    assert all(g.w.dtype == torch.float32 for g in st.policy.binding.groups)
+
+
+def test_global_clipping_limits_the_pipeline_norm():
+    p = _pipe(schedule="1f1b", policy=None, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0), clip_norm=1e-3)
+    before = {k: v.clone() for k, v in p.named_parameters().items()}
+    p.train_step(rc.batch(0))
+    delta = torch.sqrt(sum((v - before[k]).double().pow(2).sum() for k, v in p.named_parameters().items()))
+    assert p.last_stats["grad_norm"] > 1e-2
+    assert float(delta) == pytest.approx(1e-3, rel=1e-3)  # lr 1 x clipped norm
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    a = _pipe(schedule="1f1b", policy=None)
+    b = _pipe(schedule="1f1b", policy=None, checkpoint_stages=True)
+    for i in range(2):
+        assert a.train_step(rc.batch(i)) == b.train_step(rc.batch(i))
+    for k, v in a.named_parameters().items():
+        torch.testing.assert_close(b.named_parameters()[k], v)
+
+
+def test_stage_modules_and_time_balance():
+    layers = gpt_layers(rc.CFG, seed=1)
+    p = Pipeline(layers, loss_fn=lm_loss, optimizer=rc.adamw, devices=2, schedule="1f1b", microbatches=2,
+                 balance="time", sample=rc.batch(0)[0], emulate=True)
+    assert sum(p.balance) == len(layers) and len(p.balance) == 2
+    q = Pipeline(stages=[torch.nn.Sequential(*layers[:3]), torch.nn.Sequential(*layers[3:])], loss_fn=lm_loss,
+                 optimizer=rc.adamw, devices=2, schedule="1f1b", microbatches=2, emulate=True)
+    assert q.train_step(rc.batch(0)) == pytest.approx(p.train_step(rc.batch(0)), rel=1e-6)
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    straight = _pipe()
+    for i in range(4):
+        straight.train_step(rc.batch(i))
+    first = _pipe()
+    for i in range(2):
+        first.train_step(rc.batch(i))
+    first.save(str(tmp_path / "ck"))
+    resumed = _pipe()
+    resumed.load(str(tmp_path / "ck"))
+    assert resumed.step_count == 2
+    for i in range(2, 4):
+        resumed.train_step(rc.batch(i))
+    for k, v in straight.named_parameters().items():
+        assert torch.equal(resumed.named_parameters()[k], v), k
+
+
+def test_checkpoint_loads_into_another_balance(tmp_path):
+    a = _pipe(schedule="1f1b", policy=None)
+    a.train_step(rc.batch(0))
+    a.save(str(tmp_path / "ck"))
+    b = _pipe(schedule="1f1b", policy=None, devices=2, balance=[5, 3])
+    b.load(str(tmp_path / "ck"))
+    for k, v in a.named_parameters().items():
+        assert torch.equal(b.named_parameters()[k], v), k
+    # and the optimizer state came along: the next step is the same
+    assert a.train_step(rc.batch(1)) == pytest.approx(b.train_step(rc.batch(1)), rel=1e-6)
+    for k, v in a.named_parameters().items():
+        torch.testing.assert_close(b.named_parameters()[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_stage_error_names_device_stage_and_action():
+    p = _pipe(schedule="1f1b", policy=None)
+    with pytest.raises(PipelineError, match=r"device 0, stage 0, action F0s0"):
+        p.train_step((torch.full((8, rc.CFG.seq_len), 999), rc.batch(0)[1]))  # token id out of range
+
+
+def test_batch_not_divisible_by_microbatches():
+    with pytest.raises(ValueError, match="divisible"):
+        _pipe().train_step((torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)))
