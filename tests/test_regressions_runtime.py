@@ -68,3 +68,14 @@ def test_shape_mismatch_across_a_boundary_is_an_error_not_a_hang():
     with pytest.raises(PipelineError, match=r"rank 1 .*stage 1, action F0s1.*shapes cannot be multiplied"):
         launch(_shape_job, 2, grace_s=60, timeout_s=90)
     assert time.monotonic() - t0 < 30
+
+
+def test_update_every_is_stable_across_calls():
+    """Plan.update_every used to pop from its cached set: the second call for a chunk returned 1, so the
+    emulator (which asks once per chunk, then again for the loss scale) scaled 2BW's loss by 1 instead of 1/m."""
+    from pipeoptim.runtime.config import make_schedule
+    from pipeoptim.runtime.plan import Plan
+    from pipeoptim.schedules.actions import Chunk
+    plan = Plan(make_schedule("2bw", 4, 8))
+    assert [plan.update_every(Chunk(0, 0)) for _ in range(3)] == [4, 4, 4]
+    assert plan.loss_scale == 0.25

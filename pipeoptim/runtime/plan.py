@@ -155,8 +155,7 @@ class Plan:
         return self._steps[1].get((device, index))
 
     def update_every(self, chunk: Chunk) -> int:
-        counts = self._steps[2].get(chunk, set())
-        counts.discard(0)
+        counts = set(self._steps[2].get(chunk, set())) - {0}  # a copy: the cached set must stay intact
         if len(counts) > 1:
             raise ConfigError(f"schedule {self.schedule.name!r} steps chunk {chunk} after varying numbers of "
                               f"backwards {sorted(counts)}; the runtime needs a fixed count per chunk")
