@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per schedule window (default 8)")
     p.add_argument("--microbatch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
-    p.add_argument("--steps", type=int, default=60, help="schedule windows to run (default 60)")
+    p.add_argument("--steps", type=int, default=200, help="schedule windows (train_step calls) to run (default 200)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, a GPU per stage")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
