@@ -79,3 +79,14 @@ def test_update_every_is_stable_across_calls():
     plan = Plan(make_schedule("2bw", 4, 8))
     assert [plan.update_every(Chunk(0, 0)) for _ in range(3)] == [4, 4, 4]
     assert plan.loss_scale == 0.25
+
+
+def test_train_config_from_the_pipeoptim_command_is_picklable():
+    """`pipeoptim train` failed to start its workers: the argparse namespace carried cli.py's lazy run
+    function (unpicklable) into the config sent to the spawned processes."""
+    import pickle
+
+    from pipeoptim.cli import build_parser
+    from pipeoptim.runtime.cli_train import _config
+    args = build_parser().parse_args(["train", "--steps", "1"])
+    pickle.dumps(_config(args))

@@ -66,7 +66,8 @@ def _config(args) -> dict:
             from .plan import ConfigError
             raise ConfigError(f"--device cuda needs {args.stages} GPUs (one per stage); found "
                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}. Use --device cpu")
-    return dict(vars(args), d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
+    plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
+    return dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
 
 
 def _optimizer(cfg):
