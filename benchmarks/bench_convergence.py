@@ -1,0 +1,419 @@
+"""Convergence benchmark: does asynchronous 1F1B with PipeOptim train as well as synchronous training, and better
+than the other asynchronous weight policies? (issue 6)
+
+Why this script exists: the weight policies are proven *correct* by the unit tests (they read the weights they
+claim to read); whether that matters for *learning* is an empirical question, answered here on real data that is
+on every machine, with several seeds, through the single-process emulator (``Pipeline(..., emulate=True)``).
+
+Workloads (``--suite``):
+  digits4 / digits8  an 8-layer conv net on scikit-learn's 8x8 digits, SGD with momentum, cut into 4 or 8 stages
+                     (the same model both times, so only the pipeline depth, i.e. the staleness, changes)
+  gpt4               a small byte-level GPT on the Python standard library's source, AdamW, 4 stages
+  gpt4adam           the same with Adam (no weight decay)
+  ablate-digits8 / ablate-gpt4
+                     PipeOptim exact with three ways of giving s: the schedule-derived s (what the runtime passes),
+                     the paper's s = D-k-1 (constant, also during warm-up) and the public code's s = D-k
+
+Methods: ``sync`` (1F1B with one micro-batch per step: every update sees one weight version, the staleness-free
+reference with the same samples per update and the same number of updates as the async runs), ``none`` (naive
+async 1F1B), ``stash`` (PipeDream), ``2bw`` (PipeDream-2BW: D micro-batches of size b/D accumulated per update, so
+samples per update and updates match the others), ``spectrain``, ``pipeoptim-paper``, ``pipeoptim-exact``.
+
+Every asynchronous run is a stream of ``train_step`` windows of ``--window`` micro-batches (each micro-batch is a
+mini-batch and a step); each window warms up and drains, so a small share of micro-batches sees less staleness
+than in an endless stream.
+
+    python benchmarks/bench_convergence.py --suite digits4 [--seeds 0 1 2] [--steps 600]
+    python benchmarks/bench_convergence.py --report          # tables (markdown) + curves from the CSVs
+
+Writes benchmarks/results/convergence_<suite>.csv (one row per run), convergence_<suite>_curves.csv (eval
+points) and, with --report, convergence_summary.csv, convergence_<suite>.png; prints the reproducing command.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+METHODS = ("sync", "none", "stash", "2bw", "spectrain", "pipeoptim-paper", "pipeoptim-exact")
+S_RULES = ("schedule", "paper", "code")
+
+# suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
+SUITES = {
+    "digits4": dict(task="digits", devices=4, optimizer="sgd", lr=0.005, steps=640, mbs=32, eval_every=32,
+                    target=0.95, methods=METHODS),
+    "digits8": dict(task="digits", devices=8, optimizer="sgd", lr=0.005, steps=640, mbs=32, eval_every=32,
+                    target=0.95, methods=METHODS),
+    "digits8-hilr": dict(task="digits", devices=8, optimizer="sgd", lr=0.01, steps=640, mbs=32, eval_every=32,
+                         target=0.95, methods=METHODS),
+    "gpt4": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
+                 target=2.6, methods=METHODS),
+    "gpt4adam": dict(task="gpt", devices=4, optimizer="adam", lr=3e-4, steps=384, mbs=8, eval_every=32,
+                     target=2.6, methods=METHODS),
+    "ablate-digits8": dict(task="digits", devices=8, optimizer="sgd", lr=0.005, steps=640, mbs=32, eval_every=32,
+                           target=0.95, methods=tuple(f"s-{r}" for r in S_RULES)),
+    "ablate-gpt4": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
+                        target=2.6, methods=tuple(f"s-{r}" for r in S_RULES)),
+}
+
+
+# ---- models and data ------------------------------------------------------------------------------------------
+def digits_net(seed: int) -> list[nn.Module]:
+    """8 parameterised layers (6 conv, 2 linear) so that 8 stages hold one layer each and 4 stages two."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        c = lambda i, o: nn.Conv2d(i, o, 3, padding=1)  # noqa: E731
+        layers = [nn.Sequential(c(1, 32), nn.ReLU()), nn.Sequential(c(32, 32), nn.ReLU()),
+                nn.Sequential(c(32, 32), nn.ReLU(), nn.MaxPool2d(2)), nn.Sequential(c(32, 64), nn.ReLU()),
+                nn.Sequential(c(64, 64), nn.ReLU()), nn.Sequential(c(64, 64), nn.ReLU(), nn.MaxPool2d(2)),
+                nn.Sequential(nn.Flatten(), nn.Linear(256, 128), nn.ReLU()), nn.Linear(128, 10)]
+        for layer in layers:  # He init: with torch's default init this plain 8-layer net barely trains
+            for m in layer.modules():
+                if isinstance(m, (nn.Conv2d, nn.Linear)):
+                    nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                    nn.init.zeros_(m.bias)
+        return layers
+    finally:
+        torch.random.set_rng_state(state)
+
+
+GPT_CFG = dict(seq_len=64, d_model=64, n_heads=4, n_layers=2)  # 4 layers: embedding, 2 blocks, head
+
+
+class Task:
+    """Data stream, model layers, loss and evaluation (on a plain nn.Sequential holding the pipeline's weights)."""
+
+    def __init__(self, name: str, seed: int):
+        self.name = name
+        self.gen = torch.Generator().manual_seed(1000 + seed)
+        if name == "digits":
+            from pipeoptim.data import digits
+            (self.xtr, self.ytr), (self.xte, self.yte) = digits(seed=0)  # same split for every seed
+            self.layers = digits_net(seed)
+            self.loss_fn = F.cross_entropy
+        elif name == "gpt":
+            from pipeoptim.data import stdlib_corpus
+            from pipeoptim.models import GPTConfig, gpt_layers
+            from pipeoptim.models.gpt import lm_loss
+            self.cfg = GPTConfig(**GPT_CFG)
+            self.corpus = stdlib_corpus(max_bytes=2 << 20)
+            self.layers = gpt_layers(self.cfg, seed=seed)
+            self.loss_fn = lm_loss
+            g = torch.Generator().manual_seed(7)  # fixed validation windows for every run
+            self.val = [self.corpus.batch("val", 32, self.cfg.seq_len, g) for _ in range(8)]
+        else:
+            raise ValueError(f"unknown task {name!r}; choose 'digits' or 'gpt'")
+
+    def batch(self, size: int):
+        if self.name == "digits":
+            idx = torch.randint(0, len(self.ytr), (size,), generator=self.gen)
+            return self.xtr[idx], self.ytr[idx]
+        return self.corpus.batch("train", size, self.cfg.seq_len, self.gen)
+
+    @torch.no_grad()
+    def evaluate(self, pipe) -> dict:
+        """Test accuracy and loss (digits) or validation loss (gpt) of the pipeline's real weights."""
+        model = nn.Sequential(*[m for m in self.layers])  # architecture only; weights loaded below
+        params = {k: v.detach().float() for k, v in pipe.named_parameters().items()}
+        missing, unexpected = model.load_state_dict(params, strict=False)
+        if missing or unexpected:
+            raise RuntimeError(f"pipeline parameter names do not match the layer list: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+        model.eval()
+        if self.name == "digits":
+            logits = model(self.xte)
+            return {"acc": (logits.argmax(1) == self.yte).float().mean().item(),
+                    "loss": F.cross_entropy(logits, self.yte).item()}
+        losses = [self.loss_fn(model(x), y).item() for x, y in self.val]
+        return {"loss": sum(losses) / len(losses)}
+
+
+# ---- s ablation: PipeOptim with s given by a rule instead of the schedule --------------------------------------
+def s_of_rule(rule: str, s_schedule: float, stage: int, devices: int) -> float:
+    """The version difference a forward on `stage` uses under `rule` (DESIGN.md §2)."""
+    if rule == "schedule":
+        return s_schedule
+    if rule == "paper":
+        return float(devices - stage - 1)
+    if rule == "code":
+        return float(devices - stage)
+    raise ValueError(f"unknown s rule {rule!r}; choose one of {S_RULES}")
+
+
+def _register_s_policy():
+    """A PipeOptim policy whose s comes from ``s_rule`` (set per stage after the Pipeline is built): the Pipeline
+    API passes the schedule's s and has no option to override it, so the ablation subclasses the policy."""
+    from pipeoptim.policies import POLICIES, PipeOptimPolicy, register_policy
+    if "pipeoptim-srule" in POLICIES:
+        return
+
+    class SRulePolicy(PipeOptimPolicy):
+        name = "pipeoptim-srule"
+        s_rule, stage, devices = "schedule", 0, 1
+
+        def _s(self, s):
+            return s if s is None else s_of_rule(self.s_rule, s, self.stage, self.devices)
+
+        @contextmanager
+        def _forward_weights(self, mb, s):
+            with super()._forward_weights(mb, self._s(s)):
+                yield
+
+        def _apply_step(self, next_s):
+            super()._apply_step(self._s(next_s))
+
+    register_policy(SRulePolicy)
+
+
+# ---- one run ------------------------------------------------------------------------------------------------
+def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
+    """Pipeline keyword arguments and the per-micro-batch size for `method`."""
+    if method == "sync":
+        return dict(schedule="1f1b", policy=None, microbatches=1), mbs
+    if method == "2bw":
+        if mbs % devices:
+            raise ValueError(f"2bw splits each update's {mbs} samples into {devices} micro-batches; use a "
+                             f"micro-batch size divisible by {devices}")
+        return dict(schedule="2bw", policy="2bw", microbatches=window), mbs // devices
+    if method.startswith("s-"):
+        _register_s_policy()
+        return dict(schedule="async-1f1b", policy="pipeoptim-srule", microbatches=window), mbs
+    pol = {"pipeoptim-paper": ("pipeoptim", {"mode": "paper"}),
+           "pipeoptim-exact": ("pipeoptim", {"mode": "exact"})}.get(method, (method, {}))
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS} or s-<rule>")
+    return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
+
+
+def make_optimizer(name: str, lr: float):
+    if name == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1)
+    if name == "adam":
+        return lambda ps: torch.optim.Adam(ps, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+
+
+def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple[dict, list[dict]]:
+    from pipeoptim.train import Pipeline
+    torch.manual_seed(seed)
+    task = Task(cfg["task"], seed)
+    D = cfg["devices"]
+    kw, mb_size = method_config(method, D, cfg["mbs"], window)
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(cfg["optimizer"], cfg["lr"]),
+                    devices=D, emulate=True, **kw)
+    if method.startswith("s-"):
+        for w in pipe.workers:
+            for chunk, st in w.stages.items():
+                st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, D
+    per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
+    per_call = kw["microbatches"] // per_update  # updates per train_step
+    curve, steps, t0, train_losses = [], 0, time.perf_counter(), []
+    diverged = False
+    while steps < cfg["steps"]:
+        loss = pipe.train_step(task.batch(mb_size * kw["microbatches"]))
+        steps += per_call
+        train_losses.append(loss)
+        if not math.isfinite(loss):
+            diverged = True
+        if steps % cfg["eval_every"] < per_call or steps >= cfg["steps"] or diverged:
+            ev = task.evaluate(pipe)
+            curve.append({"suite": suite, "method": method, "seed": seed, "step": steps,
+                          "train_loss": sum(train_losses) / len(train_losses), **ev})
+            train_losses = []
+        if diverged:
+            break
+    metric = "acc" if cfg["task"] == "digits" else "loss"
+    better = (lambda v: v >= cfg["target"]) if metric == "acc" else (lambda v: v <= cfg["target"])
+    hit = next((c["step"] for c in curve if better(c[metric])), None)
+    mem = defaultdict(int)
+    params = defaultdict(int)
+    for w in pipe.workers:
+        for chunk, st in w.stages.items():
+            mem[chunk.stage] += st.policy.extra_weight_bytes()
+            params[chunk.stage] += sum(p.numel() * p.element_size() for p in st.module.parameters())
+    last = curve[-1]
+    row = {"suite": suite, "method": method, "seed": seed, "devices": D, "optimizer": cfg["optimizer"],
+           "lr": cfg["lr"], "steps": steps, "microbatch_size": mb_size, "window": kw["microbatches"],
+           "final_" + metric: round(last[metric], 5), "final_train_loss": round(last["train_loss"], 5),
+           "diverged": diverged, f"steps_to_{metric}_{cfg['target']}": hit if hit is not None else "",
+           "extra_weight_bytes_per_stage": " ".join(str(mem[k]) for k in sorted(mem)),
+           "extra_weight_frac_per_stage": " ".join(f"{mem[k] / params[k]:.2f}" if params[k] else "0"
+                                                    for k in sorted(mem)),
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    if metric == "acc":
+        row["final_loss"] = round(last["loss"], 5)
+    return row, curve
+
+
+def _append(path: str, rows: list[dict]) -> None:
+    new = not os.path.exists(path)
+    fields = list(rows[0])
+    if not new:
+        with open(path, newline="") as fh:
+            header = next(csv.reader(fh), None)
+        if header != fields:
+            raise RuntimeError(f"{path} has columns {header}, this run writes {fields}; move the old file away")
+    with open(path, "a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def run_suite(args) -> None:
+    cfg = dict(SUITES[args.suite])
+    for k in ("lr", "steps"):
+        if getattr(args, k) is not None:
+            cfg[k] = getattr(args, k)
+    methods = args.methods or cfg["methods"]
+    out_runs = os.path.join(args.out, f"convergence_{args.suite}.csv")
+    out_curves = os.path.join(args.out, f"convergence_{args.suite}_curves.csv")
+    done = set()
+    if os.path.exists(out_runs) and not args.fresh:
+        with open(out_runs, newline="") as fh:
+            done = {(r["method"], int(r["seed"])) for r in csv.DictReader(fh)}
+    elif args.fresh:
+        for p in (out_runs, out_curves):
+            if os.path.exists(p):
+                os.remove(p)
+    for seed in args.seeds:           # seed-major: a cut-short suite still has every method for the first seeds
+        for method in methods:
+            if (method, seed) in done:
+                print(f"skip {method} seed {seed} (already in {out_runs})", flush=True)
+                continue
+            row, curve = run_one(args.suite, method, seed, cfg, args.window)
+            _append(out_runs, [row])
+            _append(out_curves, curve)
+            print(row, flush=True)
+    print(f"wrote {out_runs} and {out_curves}")
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+def _read(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _ms(vals: list[float]) -> str:
+    if not vals:
+        return "–"
+    if len(vals) == 1:
+        return f"{vals[0]:.4f}"
+    return f"{statistics.mean(vals):.4f} ± {statistics.stdev(vals):.4f}"
+
+
+def report(out: str) -> None:
+    suites = [s for s in SUITES if os.path.exists(os.path.join(out, f"convergence_{s}.csv"))]
+    if not suites:
+        raise SystemExit(f"no convergence_<suite>.csv in {out}; run a --suite first")
+    summary = []
+    for suite in suites:
+        rows = _read(os.path.join(out, f"convergence_{suite}.csv"))
+        metric = "final_acc" if "final_acc" in rows[0] else "final_loss"
+        hit_col = next(k for k in rows[0] if k.startswith("steps_to_"))
+        by = defaultdict(list)
+        for r in rows:
+            by[r["method"]].append(r)
+        cfg = SUITES[suite]
+        print(f"\n### {suite}: {cfg['task']}, D={cfg['devices']}, {cfg['optimizer']} lr={rows[0]['lr']}, "
+              f"{rows[0]['steps']} updates\n")
+        print(f"| method | seeds | {metric} (mean ± std) | {hit_col} (mean; runs that reached it) | final train loss "
+              f"| extra weight bytes per stage (seed {by[next(iter(by))][0]['seed']}) | fraction of stage weights |")
+        print("|---|---|---|---|---|---|---|")
+        for m in [m for m in METHODS + tuple(f"s-{r}" for r in S_RULES) if m in by]:
+            rs = by[m]
+            vals = [float(r[metric]) for r in rs]
+            hits = [int(r[hit_col]) for r in rs if r[hit_col] != ""]
+            hit = f"{statistics.mean(hits):.0f} ({len(hits)}/{len(rs)})" if hits else f"never (0/{len(rs)})"
+            tl = [float(r["final_train_loss"]) for r in rs]
+            div = sum(r["diverged"] == "True" for r in rs)
+            print(f"| {m}{' (' + str(div) + ' diverged)' if div else ''} | {len(rs)} | {_ms(vals)} | {hit} | "
+                  f"{_ms(tl)} | {rs[0]['extra_weight_bytes_per_stage']} | {rs[0]['extra_weight_frac_per_stage']} |")
+            summary.append({"suite": suite, "method": m, "seeds": len(rs), "metric": metric,
+                            "mean": statistics.mean(vals), "std": statistics.stdev(vals) if len(vals) > 1 else "",
+                            "steps_to_target_mean": statistics.mean(hits) if hits else "",
+                            "reached": f"{len(hits)}/{len(rs)}",
+                            "extra_weight_bytes_per_stage": rs[0]["extra_weight_bytes_per_stage"]})
+        _plot(out, suite, metric.replace("final_", ""))
+    with open(os.path.join(out, "convergence_summary.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(summary[0]))
+        w.writeheader()
+        w.writerows(summary)
+    print(f"\nwrote {os.path.join(out, 'convergence_summary.csv')} and convergence_<suite>.png")
+
+
+def _plot(out: str, suite: str, metric: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    curves = _read(os.path.join(out, f"convergence_{suite}_curves.csv"))
+    by = defaultdict(lambda: defaultdict(list))
+    for c in curves:
+        by[c["method"]][int(c["step"])].append(float(c[metric]))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for m, pts in by.items():
+        xs = sorted(pts)
+        mean = [statistics.mean(pts[x]) for x in xs]
+        lo = [min(pts[x]) for x in xs]
+        hi = [max(pts[x]) for x in xs]
+        line, = ax.plot(xs, mean, label=m, lw=1.6 if m in ("sync", "pipeoptim-exact", "s-schedule") else 1.0)
+        ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
+    cfg = SUITES[suite]
+    ax.set_xlabel("optimizer updates")
+    ax.set_ylabel("test accuracy" if metric == "acc" else "validation loss (nats/byte)")
+    if metric == "acc":
+        ax.set_ylim(0.5, 1.0)
+    ax.set_title(f"{suite}: D={cfg['devices']}, {cfg['optimizer']}, mean over seeds (band: min–max)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"convergence_{suite}.png"), dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=sorted(SUITES))
+    ap.add_argument("--report", action="store_true", help="summarise every convergence_<suite>.csv in --out")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", help="subset of the suite's methods")
+    ap.add_argument("--steps", type=int, help="optimizer updates per run (default: the suite's)")
+    ap.add_argument("--lr", type=float, help="learning rate (default: the suite's)")
+    ap.add_argument("--window", type=int, default=32, help="micro-batches per train_step for async schedules")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fresh", action="store_true", help="delete this suite's CSVs first (default: resume)")
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    if not args.suite and not args.report:
+        ap.error("give --suite NAME (run) or --report (summarise)")
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    print("command: python " + " ".join([os.path.relpath(os.path.abspath(__file__))] +
+                                        (list(argv) if argv is not None else sys.argv[1:])), flush=True)
+    if args.suite:
+        run_suite(args)
+    if args.report:
+        report(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
