@@ -5,7 +5,7 @@ Each subcommand is a ``Command(help, add_arguments, run)``. ``add_arguments`` mu
 torch.distributed. To add a subcommand elsewhere in the package::
 
     from pipeoptim.cli import register, lazy
-    register("train", "train a model through a pipeline", add_train_arguments, lazy("pipeoptim.train", "main"))
+    register("train", "train a model through a pipeline", add_arguments, lazy("pipeoptim.runtime.cli_train", "run"))
 
 Run as ``pipeoptim ...`` (installed entry point) or ``python -m pipeoptim.cli ...``.
 """
