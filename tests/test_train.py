@@ -126,3 +126,71 @@ def test_stage_error_names_device_stage_and_action():
 def test_batch_not_divisible_by_microbatches():
     with pytest.raises(ValueError, match="divisible"):
         _pipe().train_step((torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8, dtype=torch.long)))
+
+
+# ---- policy state in checkpoints -------------------------------------------------------------------------
+def _sgd_plain(params):
+    return torch.optim.SGD(params, lr=0.5)  # no smoothed gradient: SpecTrain keeps its own average
+
+
+def _sgd_nesterov(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9, nesterov=True)  # the prediction reads the last gradient
+
+
+def _resume_run(tmp_path, policy, optimizer, strip_policy_state=False):
+    kw = dict(policy=policy, optimizer=optimizer)
+    straight = _pipe(**kw)
+    for i in range(4):
+        straight.train_step(rc.batch(i))
+    first = _pipe(**kw)
+    for i in range(2):
+        first.train_step(rc.batch(i))
+    ck = tmp_path / f"ck-{policy}"
+    first.save(str(ck))
+    if strip_policy_state:  # what a checkpoint written before policy state was saved looks like
+        for part in ck.glob("part-*.pt"):
+            d = torch.load(part, weights_only=False)
+            del d["policy_state"]
+            torch.save(d, part)
+    resumed = _pipe(**kw)
+    resumed.load(str(ck))
+    for i in range(2, 4):
+        resumed.train_step(rc.batch(i))
+    return straight.named_parameters(), resumed.named_parameters()
+
+
+@pytest.mark.parametrize("policy,optimizer", [("spectrain", _sgd_plain), ("pipeoptim", _sgd_nesterov)])
+def test_resume_with_policy_state_equals_uninterrupted(tmp_path, policy, optimizer):
+    """SpecTrain's own gradient average and the last gradient that SGD-Nesterov's prediction reads live in the
+    policy, not the optimizer: they used to be lost on resume, so the first predictions after it differed."""
+    straight, resumed = _resume_run(tmp_path, policy, optimizer)
+    for k, v in straight.items():
+        assert torch.equal(resumed[k], v), k
+
+
+@pytest.mark.parametrize("policy,optimizer", [("spectrain", _sgd_plain), ("pipeoptim", _sgd_nesterov)])
+def test_checkpoint_without_policy_state_loads_but_resumes_differently(tmp_path, policy, optimizer):
+    # old checkpoints stay loadable; and the state matters (so the test above can fail)
+    straight, resumed = _resume_run(tmp_path, policy, optimizer, strip_policy_state=True)
+    assert not all(torch.equal(resumed[k], v) for k, v in straight.items())
+
+
+def test_policy_state_is_keyed_by_global_names_and_loads_into_another_balance(tmp_path):
+    a = _pipe(policy="spectrain", optimizer=_sgd_plain)
+    for i in range(2):
+        a.train_step(rc.batch(i))
+    a.save(str(tmp_path / "ck"))
+    saved = a.state_dict()["policy_state"]
+    assert "0.tok.weight" in saved and "7.lm.weight" in saved
+    assert set(saved["3.fc.weight"]) == {"steps_taken", "smoothed_grad"}  # its direction reads no last gradient
+    assert saved["3.fc.weight"]["smoothed_grad"].abs().sum() > 0
+    b = _pipe(policy="spectrain", optimizer=_sgd_plain, devices=2, balance=[5, 3])
+    b.load(str(tmp_path / "ck"))
+    got = b.state_dict()["policy_state"]
+    assert set(got) == set(saved)
+    for name, entry in saved.items():
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                assert torch.equal(got[name][key], value), (name, key)
+            else:
+                assert got[name][key] == value, (name, key)

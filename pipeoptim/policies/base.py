@@ -27,8 +27,12 @@ Rules for the executor:
 - On CUDA, issue a stage's forwards, backwards and steps on one stream: the weight swaps are host-side
   pointer exchanges, and stream order is what keeps a later prediction from overwriting a buffer that
   earlier kernels still read.
-- Save checkpoints (module, optimizer) when no micro-batch is in flight: stashes and predictions are
-  transient and not part of any state_dict.
+- Save checkpoints (module, optimizer and `policy.state_dict()`) when no micro-batch is in flight:
+  stashes and predictions are transient, but some policies keep state across steps that the optimizer
+  does not (the last gradient for rules that read it, SpecTrain's own gradient average, the step count
+  where torch keeps none); without it a resumed run's first predictions differ from the uninterrupted
+  run's. `state_dict()` keys that state by the module's parameter names, so a runtime can re-key it by
+  global names and load it into another stage balance.
 - `extra_weight_bytes()` is the memory the policy holds beyond the model, its gradients and the
   optimizer's own state; `memory_report()` splits it by purpose.
 """
@@ -142,6 +146,89 @@ class WeightPolicy:
 
     def close(self) -> None:
         """Remove the policy's hooks (the binding stays)."""
+
+    # ---- state across steps (checkpoints) ---------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What this policy keeps across optimizer steps beyond the module and optimizer, per parameter.
+
+        `{"policy": name, "params": {module param name: {key: value}}}`. Keys: `steps_taken` (completed steps
+        as the binding counts them; torch keeps no 'step' for SGD), `last_grad` (the last step's gradient,
+        where the prediction rule reads it), plus what a subclass adds (`_state_entries`). Call it with no
+        micro-batch in flight."""
+        if self._in_flight or self._backwards:
+            raise RuntimeError(f"{self.name}: cannot save policy state with micro-batches in flight "
+                               f"({list(self._in_flight)[:4]}) or gradients of {self._backwards} backward(s) not "
+                               "yet stepped; save between iterations (after the last Step)")
+        params: dict[str, dict] = {}
+        for g in self.binding.groups:
+            for j, name in enumerate(g.names):
+                entry: dict = {"steps_taken": g.steps_taken}
+                if g.last_grad is not None:
+                    entry["last_grad"] = g.view(g.last_grad, j).detach().clone()
+                params[name] = entry
+        for i, g in enumerate(self.binding.groups):
+            for key, flat in self._state_entries(i).items():
+                for j, name in enumerate(g.names):
+                    params[name][key] = g.view(flat, j).detach().clone()
+        return {"policy": self.name, "params": params}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict()` saved (possibly re-keyed, from another stage layout or policy).
+
+        A flat group none of whose parameters appear in `state` keeps its current state (a checkpoint
+        saved without policy state, or by a model that lacked them). A group only partly covered is an
+        error: its parameters would resume from different points. Entries this policy does not keep
+        (e.g. another policy's) are ignored; a kept entry missing from `state` stays as it is."""
+        if self._in_flight:
+            raise RuntimeError(f"{self.name}: cannot load policy state with micro-batches in flight "
+                               f"({list(self._in_flight)[:4]}); load between iterations")
+        params = state.get("params", {}) if isinstance(state, dict) else None
+        if not isinstance(params, dict):
+            raise TypeError("load_state_dict expects the dict returned by state_dict() "
+                            "({'policy': ..., 'params': {name: {...}}})")
+        for i, g in enumerate(self.binding.groups):
+            have = [n for n in g.names if n in params]
+            if not have:
+                continue
+            if len(have) != len(g.names):
+                missing = [n for n in g.names if n not in params]
+                raise ValueError(f"{self.name}: the policy state has entries for {have[:3]} but not for "
+                                 f"{missing[:3]}, which share one flat group (one step count); save and load the "
+                                 "whole model's policy state")
+            steps = {int(params[n]["steps_taken"]) for n in g.names if "steps_taken" in params[n]}
+            if len(steps) > 1:
+                raise ValueError(f"{self.name}: parameters of one flat group were saved at different step counts "
+                                 f"{sorted(steps)}; they must step together")
+            if steps:
+                g.steps_taken = steps.pop()
+            kept = dict(self._state_entries(i))
+            if g.last_grad is not None:
+                kept["last_grad"] = g.last_grad
+            with torch.no_grad():
+                for key, flat in kept.items():
+                    for j, name in enumerate(g.names):
+                        value = params[name].get(key)
+                        if value is None:
+                            continue
+                        view = g.view(flat, j)
+                        if tuple(value.shape) != tuple(view.shape):
+                            raise ValueError(f"{self.name}: saved {key} of {name} has shape {tuple(value.shape)} but "
+                                             f"the parameter has {tuple(view.shape)}; the checkpoint belongs to "
+                                             "another model")
+                        view.copy_(value)
+        self._after_load()
+
+    def _state_entries(self, group: int) -> dict[str, torch.Tensor]:
+        """Flat per-element buffers (laid out like group `group`'s weights) this policy keeps across steps,
+        by the key they are saved under."""
+        return {}
+
+    def _after_load(self) -> None:
+        """Drop anything derived from the state before a load (cached predictions)."""
+        predictor = getattr(self, "predictor", None)
+        if predictor is not None:
+            predictor.invalidate()
 
     # ---- what subclasses decide --------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 ŵ = w − s·lr·v, v the smoothed gradient: SGD-momentum's momentum_buffer, the Adam family's exp_avg
 (an exponential average of gradients), or else an average the policy keeps itself,
-v ← γ·v + (1−γ)·g after every step (extra memory, reported). Unlike PipeOptim it ignores how the optimizer
+v ← γ·v + (1−γ)·g after every step (extra memory, reported; saved by `state_dict()` so a resumed run
+predicts as the uninterrupted one). Unlike PipeOptim it ignores how the optimizer
 turns v into an update (Adam's normalisation, decoupled decay).
 
 The paper version predicts twice per micro-batch: the forward on stage k reads ŵ for
@@ -80,6 +81,10 @@ class SpecTrainPolicy(WeightPolicy):
         if self._backward_target is not None:
             return self._backward_target[group]
         return self.binding.groups[group].work
+
+    def _state_entries(self, group: int) -> dict[str, torch.Tensor]:
+        own = self._own.get(group)
+        return {} if own is None else {"smoothed_grad": own}
 
     def memory_report(self) -> dict[str, int]:
         return {"prediction" if self.predictor.mechanism != "inplace" else "restore": self.predictor.nbytes(),

@@ -5,9 +5,13 @@ Each process writes ``part-<rank>.pt`` with, for every parameter of its replica-
 bidirectional schedules holds identical values), the fp32 value (the master in mixed precision) and the
 optimizer's per-parameter state, plus its param-group hyperparameters, LR-scheduler state and the pipeline's
 step count; ``extra`` (e.g. the data generator's state) goes to ``meta.pt``. Loading reads every part and
-hands each chunk the entries of its own parameters, whatever stage layout wrote them. Weight policies keep no
-state across iterations beyond the optimizer's (every window ends with all backwards done), except
-SpecTrain's own gradient average for optimizers without one, which restarts from zero.
+hands each chunk the entries of its own parameters, whatever stage layout wrote them.
+
+The weight policy's state goes along, also keyed by global names (``policy_state``): stashes and predictions
+end with every window, but the last gradient (prediction rules that read it: SGD without momentum or with
+Nesterov, RMSprop without momentum, Adagrad, NAdam), SpecTrain's own gradient average and the binding's step
+count (torch keeps none for SGD) carry over; without them a resumed run's first predictions differ from the
+uninterrupted run's. Checkpoints written before policy state was saved still load (the policy starts fresh).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def _masters(st) -> dict[str, torch.Tensor]:
 
 
 def pipeline_state(pipe) -> dict:
-    params, opt_state, groups, sched = {}, {}, None, None
+    params, opt_state, groups, sched, pol_state = {}, {}, None, None, {}
     for w in pipe.workers:
         for c, st in w.stages.items():
             if c.replica != 0:
@@ -55,8 +59,10 @@ def pipeline_state(pipe) -> dict:
                 groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
             if sched is None and st.scheduler is not None:
                 sched = st.scheduler.state_dict()
+            for local, entry in st.policy.state_dict()["params"].items():
+                pol_state[st.names[local]] = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in entry.items()}
     return {"params": params, "opt_state": opt_state, "groups": groups, "scheduler": sched,
-            "step_count": pipe.step_count}
+            "step_count": pipe.step_count, "policy_state": pol_state}
 
 
 def _rank() -> int:
@@ -86,11 +92,12 @@ def load(pipe, directory: str) -> dict:
     parts = sorted(glob.glob(os.path.join(directory, "part-*.pt")))
     if not parts:
         raise FileNotFoundError(f"no checkpoint parts (part-*.pt) in {directory}; save one with Pipeline.save")
-    params, opt_state, groups, sched, steps = {}, {}, None, None, 0
+    params, opt_state, groups, sched, steps, pol_state = {}, {}, None, None, 0, {}
     for path in parts:
         part = torch.load(path, weights_only=False)
         params.update(part["params"])
         opt_state.update(part["opt_state"])
+        pol_state.update(part.get("policy_state", {}))
         groups = groups or part["groups"]
         sched = sched or part["scheduler"]
         steps = max(steps, part["step_count"])
@@ -115,6 +122,9 @@ def load(pipe, directory: str) -> dict:
                 for g, saved in zip(sd["param_groups"], groups):
                     g.update({k: v for k, v in saved.items() if k != "params"})
             st.optimizer.load_state_dict(sd)
+            # after the optimizer: its load hook recounts the binding's steps, the policy state restores them
+            st.policy.load_state_dict({"params": {local: pol_state[name] for local, name in st.names.items()
+                                                  if name in pol_state}})
             if st.scheduler is not None and sched is not None:
                 st.scheduler.load_state_dict(sched)
     pipe.step_count = steps
