@@ -14,6 +14,9 @@ name; call ``train_step(batch)`` on every rank.
 - The loss is scaled once (``Plan.loss_scale``); ``clip_norm`` clips by the global norm over the pipeline
   (synchronous schedules; per stage for asynchronous ones, see executor); ``precision="bf16"`` runs bf16
   working weights under autocast over fp32 master weights; ``checkpoint_stages`` recomputes activations.
+- ``tied=[("0.tok.weight", "7.lm.weight")]``: parameters held on several stages that are one weight (tied
+  embeddings). Copies start from the first name's value; before each step every copy's gradient becomes the
+  sum over the copies (synchronous schedules only; see ``runtime.tied``); the global norm counts it once.
 - ``save(dir)`` / ``load(dir)``: model, optimizer, LR scheduler and policy state per global parameter name.
 """
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .runtime.config import check_policy, make_schedule, stages_for
 from .runtime.emulator import Emulator
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
+from .runtime.tied import check_ties, plan_ties
 from .runtime.worker import DeviceWorker, StageRuntime
 from .schedules.actions import Chunk
 
@@ -59,7 +63,7 @@ class Pipeline:
                  lr_scheduler: Callable | None = None, schedule_options: dict | None = None,
                  policy_options: dict | None = None, clip_norm: float | None = None, precision: str = "fp32",
                  checkpoint_stages: Sequence[int] | bool = (), emulate: bool = False, device: str = "cpu",
-                 dp: int = 1):
+                 dp: int = 1, tied: Sequence[Sequence[str]] = ()):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage), not both and not neither")
@@ -109,6 +113,11 @@ class Pipeline:
             starts = [sum(balance[:i]) for i in range(n_stages)]
             self._stage_layers = [layers[a:a + b] for a, b in zip(starts, balance)]
             self._prefix = [[str(a + j) for j in range(b)] for a, b in zip(starts, balance)]
+        gparams = self._global_params()
+        self.tied = check_ties(tied, self.schedule, gparams)
+        # each tied copy starts from its tie's first parameter's value
+        self._tie_source = {n: gparams[tie[0]][1] for tie in self.tied for n in tie[1:]}
+        ties = plan_ties(self.tied, self.schedule, {n: st for n, (st, _) in gparams.items()})
         ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
         working = torch.bfloat16 if precision == "bf16" else None
         tdev = torch.device("cpu") if ctx is None else ctx.device
@@ -122,6 +131,7 @@ class Pipeline:
                                                 ckpt, tdev)
             self.workers.append(DeviceWorker(self.plan, d, runtimes, loss_fn, autocast_dtype=working,
                                              device_type=tdev.type))
+            self.workers[-1].ties = ties
         if emulate:
             self._runner = Emulator(self.plan, self.workers)
         else:
@@ -138,11 +148,25 @@ class Pipeline:
         for j, prefix in enumerate(self._prefix[chunk.stage]):
             for pname, _ in layers[j].named_parameters():
                 names[f"layers.{j}.{pname}"] = f"{prefix}.{pname}"
+        with torch.no_grad():
+            for local, p in module.named_parameters():
+                source = self._tie_source.get(names.get(local))
+                if source is not None:
+                    p.copy_(source)
         opt = optimizer(module.parameters())
         pol = make_policy(self.policy_name, module, opt, update_every=self.plan.update_every(chunk),
                           working_dtype=working, **policy_options)
         sched = lr_scheduler(opt) if lr_scheduler is not None else None
         return StageRuntime(chunk, module, opt, pol, sched, names, chunk.stage in ckpt)
+
+    def _global_params(self) -> dict[str, tuple[int, torch.Tensor]]:
+        """Global parameter name -> (stage, the user's parameter), before the stages are copied."""
+        out = {}
+        for stage, (layers, prefixes) in enumerate(zip(self._stage_layers, self._prefix)):
+            for layer, prefix in zip(layers, prefixes):
+                for pname, p in layer.named_parameters():
+                    out[f"{prefix}.{pname}"] = (stage, p)
+        return out
 
     # ---- running ----------------------------------------------------------------------------------------
     def _split(self, batch):

@@ -3,7 +3,7 @@
 The emulator holds one ``DeviceWorker`` per pipeline device and advances each device through its own list,
 in order, as far as its inputs allow (a compute waits for its input; a ``Sync`` waits for all its members,
 then sums their gradients in device order; the first ``Step`` of a synchronous schedule waits for every
-device, then computes the global gradient norm). Each device runs exactly the operations it runs under the
+device, sums the gradients of tied parameters (``tied``), then computes the global gradient norm). Each device runs exactly the operations it runs under the
 distributed executor, on the same values (transfers are copies, as on the wire), so with the same seed,
 thread count and schedule the numbers agree bit for bit (sums over more than two members may differ in the
 last bit: gloo adds in its own order).
@@ -91,6 +91,7 @@ class Emulator:
                                 if not all(pos[e] < len(acts[e]) and isinstance(acts[e][pos[e]], Step)
                                            for e in range(D)):
                                     break
+                                self._sum_ties()
                                 total = torch.zeros((), dtype=torch.float64)
                                 for e in range(D):
                                     total += self.workers[e].sq_norm()
@@ -122,6 +123,16 @@ class Emulator:
         busy = sum(w.busy for w in self.workers)
         return {"loss": float(sum(float(v) for v in losses) / len(losses)), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12))}
+
+    def _sum_ties(self) -> None:
+        """Tied parameters: every copy's gradient becomes the sum over the copies (devices in order)."""
+        for tie in self.workers[0].ties:
+            parts = [(e, self.workers[e].tie_partial(tie)) for e in tie.devices]
+            total = parts[0][1].clone()
+            for _, p in parts[1:]:
+                total += p
+            for e, _ in parts:
+                self.workers[e].tie_set(tie, total)
 
     def _sync(self, a: Sync, d: int, pos, acts, seen) -> bool:
         """Run Sync ``a`` once every member device stands at the same occurrence of it."""

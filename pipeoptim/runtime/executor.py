@@ -6,7 +6,8 @@
 - ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
   devices; with ``dp`` it also spans the data-parallel copies. Losses are scaled so that the sum is the mean
   over the iteration's micro-batches.
-- ``Step``: synchronous schedules first compute the global gradient norm over the whole pipeline (one
+- ``Step``: synchronous schedules first sum the gradients of tied parameters over their copies (``tied``),
+  then compute the global gradient norm over the whole pipeline (one
   all-reduce of a scalar; each stage counted once) for clipping and reporting; with data parallelism the
   chunk's gradients are averaged over the data-parallel group first (one sync per step). Asynchronous
   schedules clip per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the
@@ -44,7 +45,7 @@ def describe_failure(rank: int, device: int, plan: Plan, action, exc: BaseExcept
 class Groups:
     """Process groups for one pipeline layout; every rank creates all of them in the same order."""
 
-    def __init__(self, plan: Plan, pp_rank: int, dp_rank: int, dp_size: int):
+    def __init__(self, plan: Plan, pp_rank: int, dp_rank: int, dp_size: int, tied_sets=()):
         D = plan.num_devices
         world = D * dp_size
         if dist.get_world_size() != world:
@@ -74,6 +75,12 @@ class Groups:
                     self.sync[(devs, True)] = g
             else:
                 self.sync[(devs, True)] = self.sync.get((devs, False))
+        self.tied: dict[tuple, object] = {}  # owners of a tied parameter (more than one device)
+        for devs in sorted(set(tied_sets)):
+            for q in range(dp_size):
+                g = dist.new_group([rank_of(q, d) for d in devs])
+                if q == dp_rank and pp_rank in devs:
+                    self.tied[devs] = g
 
 
 class Executor:
@@ -82,7 +89,8 @@ class Executor:
         self.plan, self.worker, self.me = plan, worker, worker.device
         self.dp_rank, self.dp_size, self.tdevice = dp_rank, dp_size, device
         self.rank = dp_rank * plan.num_devices + self.me
-        self.groups = groups or Groups(plan, self.me, dp_rank, dp_size)
+        tied_sets = [t.devices for t in worker.ties if len(t.devices) > 1]
+        self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets)
         self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device)
         self.watch = watch
 
@@ -121,6 +129,7 @@ class Executor:
                         self._dp_average(action)
                     if plan.schedule.synchronous and first_step:
                         first_step = False
+                        self._sum_ties()
                         grad_norm = self._global_norm()
                         if clip_norm is not None:
                             coef = min(1.0, clip_norm / (grad_norm + 1e-6))
@@ -176,6 +185,17 @@ class Executor:
             self.worker.local[t.to_op] = out
         else:
             self.p2p.send(t.dst, t.to_op, out)
+
+    def _sum_ties(self) -> None:
+        """Tied parameters: each copy's gradient becomes the sum over all copies (all-reduce between the owning
+        devices; a local sum when one device holds them all). Every rank walks the ties in the same order."""
+        for tie in self.worker.ties:
+            if self.me not in tie.devices:
+                continue
+            total = self.worker.tie_partial(tie)
+            if len(tie.devices) > 1:
+                dist.all_reduce(total, group=self.groups.tied[tie.devices])
+            self.worker.tie_set(tie, total)
 
     def _global_norm(self) -> float:
         sq = self.worker.sq_norm()

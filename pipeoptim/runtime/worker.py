@@ -53,6 +53,7 @@ class DeviceWorker:
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
         self.train = True
         self.busy = 0.0
+        self.ties: list = []  # tied.TieGroup, the same list on every rank (set by the Pipeline)
 
     # ---- iteration -------------------------------------------------------------------------------------
     def begin(self, inputs: list[tuple], targets: list, *, train: bool = True, plan: Plan | None = None) -> None:
@@ -162,6 +163,38 @@ class DeviceWorker:
         chunks = sorted((c for c in self.stages if c.stage in stages), key=lambda c: (c.stage, c.replica))
         return [g.grad for c in chunks for g in self.stages[c].policy.binding.groups]
 
+    def _slot(self, chunk: Chunk, global_name: str) -> tuple:
+        """(flat group, index) of the parameter called ``global_name`` in ``chunk``."""
+        st = self.stages[chunk]
+        local = next(n for n, g in st.names.items() if g == global_name)
+        p = dict(st.module.named_parameters())[local]
+        for g in st.policy.binding.groups:
+            for j, q in enumerate(g.params):
+                if q is p:
+                    return g, j
+        raise RuntimeError(f"tied parameter {global_name} of stage {chunk.stage} is not in its optimizer; build "
+                           "the optimizer from all the stage's parameters")
+
+    def _tie_members(self, tie) -> list[tuple[Chunk, str]]:
+        return [(Chunk(tie.replica, stage), name) for d, stage, name in tie.members if d == self.device]
+
+    def tie_partial(self, tie) -> torch.Tensor | None:
+        """Sum of this device's copies' gradients of ``tie`` (None if it holds none), in member order."""
+        total = None
+        for chunk, name in self._tie_members(tie):
+            g, j = self._slot(chunk, name)
+            v = g.grad_views[j]
+            total = v.detach().clone() if total is None else total.add_(v)
+        return total
+
+    def tie_set(self, tie, total: torch.Tensor) -> None:
+        """Give every local copy of ``tie`` the summed gradient ``total``."""
+        with torch.no_grad():
+            for chunk, name in self._tie_members(tie):
+                g, j = self._slot(chunk, name)
+                g.grad_views[j].copy_(total)
+                self.stages[chunk].policy.binding.grads_changed()
+
     def norm_chunks(self) -> list[Chunk]:
         """Chunks whose gradients count in the global norm: each stage once (replica 0 holds every stage)."""
         return [c for c in self.stages if c.replica == 0]
@@ -170,6 +203,13 @@ class DeviceWorker:
         total = torch.zeros((), dtype=torch.float64)
         for g in self.master_grads(self.norm_chunks()):
             total += g.detach().double().pow(2).sum().cpu()
+        for tie in self.ties:  # a tied weight counts once: drop its other copies (replica 0, after the sum)
+            if tie.replica != 0:
+                continue
+            for d, stage, name in tie.members[1:]:
+                if d == self.device:
+                    g, j = self._slot(Chunk(0, stage), name)
+                    total -= g.master_grad_views[j].detach().double().pow(2).sum().cpu()
         return total
 
     def step(self, index: int, action: Step, clip_coef: float | None = None) -> None:
