@@ -138,3 +138,56 @@ def test_forward_reads_prediction_only_under_pipeoptim(policy):
     assert s == [0, 1, 2, 3]
     expect = [x > 0 for x in s] if policy == "pipeoptim" else [False] * 4
     assert [not torch.equal(a, b) for a, b in zip(seen, real)] == expect
+
+
+class _Scale(torch.autograd.Function):
+    """y = x * w, recording at backward whether the saved w is the w its forward read, and whether the real
+    weights still are (if not, the backward ran at another version than its forward)."""
+
+    @staticmethod
+    def forward(ctx, x, w, log):
+        ctx.save_for_backward(x, w)  # goes through the policy's saved-tensor hooks, as any weight autograd saves
+        ctx.seen, ctx.param, ctx.log = w.detach().clone(), w, log
+        return x * w
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        ctx.log.append((torch.equal(w, ctx.seen), torch.equal(ctx.param.detach(), ctx.seen)))
+        return gy * w, (gy * x).sum(dim=tuple(range(gy.dim() - 1))), None
+
+
+_PROBE_LOG: list = []  # module-level: the Pipeline deep-copies its layers (and any list they hold)
+
+
+class _Probe(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return _Scale.apply(x, self.w, _PROBE_LOG)
+
+
+@pytest.mark.parametrize("policy", ["stash", "none"])
+def test_stash_backward_reads_the_version_its_forward_read(policy):
+    """Through the emulator (the executor's worker code): under 'stash' every backward on stage 0 reads the
+    weights its forward read although the real weights moved on in between; under 'none' (the control that
+    shows the probe can tell) the stale backwards read the moved weights."""
+    from pipeoptim.train import Pipeline
+    log = _PROBE_LOG
+    log.clear()
+    layers = gpt_layers(rc.CFG, seed=1)
+    layers.insert(1, _Probe(rc.CFG.d_model))  # stage 0 = embedding + probe: s = 0, 1, 2, 3
+    p = Pipeline(layers, loss_fn=lm_loss, optimizer=rc.sgd, devices=4, schedule="async-1f1b", policy=policy,
+                 microbatches=4, balance=[2, 2, 2, 3], emulate=True)
+    for i in range(2):
+        p.train_step(rc.batch(i))
+    assert len(log) == 8
+    saved_is_forwards = [a for a, _ in log]
+    real_is_forwards = [b for _, b in log]
+    assert real_is_forwards.count(False) >= 3  # the weights did move between forward and backward
+    if policy == "stash":
+        assert all(saved_is_forwards)
+    else:
+        assert saved_is_forwards == real_is_forwards
