@@ -47,4 +47,73 @@ inline SgdStepCoeffs sgd_coeffs(at::ArrayRef<double> c) {
   return {float(c[0]), float(c[1]), float(c[2]), float(c[3]), float(c[4]), float(c[5])};
 }
 
+// Checked raw views of each op's arguments: the CPU and CUDA implementations share the checks and
+// differ only in how they run the loop.
+struct PredictArgs {
+  int64_t n;
+  const float *w, *m, *g, *v, *vc;
+  void* out;
+  int out_kind;
+  int den;
+  bool in_place;
+  PredictCoeffs c;
+};
+
+inline PredictArgs predict_args(const at::Tensor& w, const std::optional<at::Tensor>& m,
+                                const std::optional<at::Tensor>& g, const std::optional<at::Tensor>& v,
+                                const std::optional<at::Tensor>& vc, const at::Tensor& out, int64_t den,
+                                at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(den >= 0 && den <= 2, "pipeoptim::predict_: den must be 0, 1 or 2");
+  PredictArgs a{w.numel(), w.data_ptr<float>(), opt_ptr(m, w, "m"), opt_ptr(g, w, "g"), opt_ptr(v, w, "v"),
+                opt_ptr(vc, w, "vc"), out.data_ptr(), out_kind(out), int(den), false, predict_coeffs(coeffs)};
+  TORCH_CHECK(den == 0 || a.v != nullptr, "pipeoptim::predict_: v is required when den != 0");
+  a.in_place = a.out == static_cast<const void*>(a.w);
+  TORCH_CHECK(!a.in_place || a.out_kind == 0, "pipeoptim::predict_: in place needs a float32 out");
+  return a;
+}
+
+struct AdamArgs {
+  int64_t n;
+  float* w;
+  const float* g;
+  float *m, *v, *vmax;
+  void* out;
+  int out_kind;
+  AdamStepCoeffs c;
+};
+
+inline AdamArgs adam_args(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v,
+                          const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(grad, w, "grad");
+  check_buffer(m, w, "exp_avg");
+  check_buffer(v, w, "exp_avg_sq");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::adam_step_predict_: out must not be w");
+  return {w.numel(), w.data_ptr<float>(), grad.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+          const_cast<float*>(opt_ptr(vmax, w, "max_exp_avg_sq")), out.data_ptr(), out_kind(out), adam_coeffs(coeffs)};
+}
+
+struct SgdArgs {
+  int64_t n;
+  float* w;
+  const float* g;
+  float* buf;
+  void* out;
+  int out_kind;
+  SgdStepCoeffs c;
+};
+
+inline SgdArgs sgd_args(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+                        const at::Tensor& out, at::ArrayRef<double> coeffs) {
+  check_buffer(w, w, "w");
+  check_buffer(grad, w, "grad");
+  check_buffer(out, w, "out", false);
+  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::sgd_step_predict_: out must not be w");
+  return {w.numel(), w.data_ptr<float>(), grad.data_ptr<float>(),
+          const_cast<float*>(opt_ptr(buf, w, "momentum_buffer")), out.data_ptr(), out_kind(out), sgd_coeffs(coeffs)};
+}
+
 }  // namespace pipeoptim

@@ -49,71 +49,44 @@ bool should_stream() {
   return on;
 }
 
-char* byte_ptr(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+template <typename T>
+T* at_offset(T* p, int64_t o) { return p ? p + o : nullptr; }
 
 void predict_cpu(const at::Tensor& w, const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& g,
                  const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& vc, const at::Tensor& out,
                  int64_t den, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(den >= 0 && den <= 2, "pipeoptim::predict_: den must be 0, 1 or 2");
-  const float *pm = opt_ptr(m, w, "m"), *pg = opt_ptr(g, w, "g"), *pv = opt_ptr(v, w, "v"), *pvc = opt_ptr(vc, w, "vc");
-  TORCH_CHECK(den == 0 || pv != nullptr, "pipeoptim::predict_: v is required when den != 0");
-  const PredictCoeffs c = predict_coeffs(coeffs);
-  const int ok = out_kind(out);
-  const bool in_place = out.data_ptr() == w.data_ptr();
-  TORCH_CHECK(!in_place || ok == 0, "pipeoptim::predict_: in place needs a float32 out");
-  const float* pw = w.data_ptr<float>();
-  char* po = byte_ptr(out);
+  const PredictArgs a = predict_args(w, m, g, v, vc, out, den, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = !in_place && should_stream();
+  const bool stream = !a.in_place && should_stream();
   const auto fn = isa().predict;
-  at::parallel_for(0, w.numel(), kGrain, [&](int64_t b, int64_t e) {
-    fn(e - b, pw + b, pm ? pm + b : nullptr, pg ? pg + b : nullptr, pv ? pv + b : nullptr,
-       pvc ? pvc + b : nullptr, in_place ? static_cast<void*>(const_cast<float*>(pw + b)) : po + b * osz, ok,
-       int(den), c, stream);
+  at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
+    void* o = a.in_place ? static_cast<void*>(const_cast<float*>(a.w + b)) : static_cast<char*>(a.out) + b * osz;
+    fn(e - b, a.w + b, at_offset(a.m, b), at_offset(a.g, b), at_offset(a.v, b), at_offset(a.vc, b), o, a.out_kind,
+       a.den, a.c, stream);
   });
 }
 
 void adam_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v,
                            const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(grad, w, "grad");
-  check_buffer(m, w, "exp_avg");
-  check_buffer(v, w, "exp_avg_sq");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::adam_step_predict_: out must not be w");
-  float* pvm = const_cast<float*>(opt_ptr(vmax, w, "max_exp_avg_sq"));
-  const AdamStepCoeffs c = adam_coeffs(coeffs);
-  const int ok = out_kind(out);
-  float *pw = w.data_ptr<float>(), *pm = m.data_ptr<float>(), *pv = v.data_ptr<float>();
-  const float* pg = grad.data_ptr<float>();
-  char* po = byte_ptr(out);
+  const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const int64_t osz = out.element_size();
   const bool stream = should_stream();
   const auto fn = isa().adam;
-  at::parallel_for(0, w.numel(), kGrain, [&](int64_t b, int64_t e) {
-    fn(e - b, pw + b, pg + b, pm + b, pv + b, pvm ? pvm + b : nullptr, po + b * osz, ok, c, stream);
+  at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
+    fn(e - b, a.w + b, a.g + b, a.m + b, a.v + b, at_offset(a.vmax, b), static_cast<char*>(a.out) + b * osz,
+       a.out_kind, a.c, stream);
   });
 }
 
 void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
                           const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(grad, w, "grad");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::sgd_step_predict_: out must not be w");
-  float* pb = const_cast<float*>(opt_ptr(buf, w, "momentum_buffer"));
-  const SgdStepCoeffs c = sgd_coeffs(coeffs);
-  const int ok = out_kind(out);
-  float* pw = w.data_ptr<float>();
-  const float* pg = grad.data_ptr<float>();
-  char* po = byte_ptr(out);
+  const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const int64_t osz = out.element_size();
   const bool stream = should_stream();
   const auto fn = isa().sgd;
-  at::parallel_for(0, w.numel(), kGrain, [&](int64_t b, int64_t e) {
-    fn(e - b, pw + b, pg + b, pb ? pb + b : nullptr, po + b * osz, ok, nesterov, first, c, stream);
+  at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
+    fn(e - b, a.w + b, a.g + b, at_offset(a.buf, b), static_cast<char*>(a.out) + b * osz, a.out_kind, nesterov,
+       first, a.c, stream);
   });
 }
 

@@ -183,29 +183,23 @@ T* offset(T* p, int64_t o) { return p ? p + o : nullptr; }
 void predict_cuda(const at::Tensor& w, const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& g,
                   const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& vc, const at::Tensor& out,
                   int64_t den, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(den >= 0 && den <= 2, "pipeoptim::predict_: den must be 0, 1 or 2");
+  const PredictArgs a = predict_args(w, m, g, v, vc, out, den, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  const float *pm = opt_ptr(m, w, "m"), *pg = opt_ptr(g, w, "g"), *pv = opt_ptr(v, w, "v"), *pvc = opt_ptr(vc, w, "vc");
-  TORCH_CHECK(den == 0 || pv != nullptr, "pipeoptim::predict_: v is required when den != 0");
-  const PredictCoeffs c = predict_coeffs(coeffs);
-  const float* pw = w.data_ptr<float>();
-  const bool vec_ok = aligned16({pw, pm, pg, pv, pvc, out.data_ptr()});
+  const bool vec_ok = aligned16({a.w, a.m, a.g, a.v, a.vc, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
-    T* po = static_cast<T*>(out.data_ptr());
-    with_bool(pm != nullptr, [&](auto hm) {
-      with_bool(pg != nullptr, [&](auto hg) {
-        with_bool(pvc != nullptr && den == DEN_SQRT, [&](auto hvc) {
+    T* po = static_cast<T*>(a.out);
+    with_bool(a.m != nullptr, [&](auto hm) {
+      with_bool(a.g != nullptr, [&](auto hg) {
+        with_bool(a.vc != nullptr && a.den == DEN_SQRT, [&](auto hvc) {
           auto run = [&](auto dk) {
-            launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+            launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
               predict_kernel<hm, hg, decltype(dk)::value, hvc, T, vec><<<blocks, kThreads, 0, s>>>(
-                  n, pw + o, offset(pm, o), offset(pg, o), offset(pv, o), offset(pvc, o), po + o, c);
+                  n, a.w + o, offset(a.m, o), offset(a.g, o), offset(a.v, o), offset(a.vc, o), po + o, a.c);
             });
           };
-          if (den == DEN_SQRT) run(std::integral_constant<int, DEN_SQRT>{});
-          else if (den == DEN_LINEAR) run(std::integral_constant<int, DEN_LINEAR>{});
+          if (a.den == DEN_SQRT) run(std::integral_constant<int, DEN_SQRT>{});
+          else if (a.den == DEN_LINEAR) run(std::integral_constant<int, DEN_LINEAR>{});
           else run(std::integral_constant<int, DEN_NONE>{});
         });
       });
@@ -215,24 +209,16 @@ void predict_cuda(const at::Tensor& w, const std::optional<at::Tensor>& m, const
 
 void adam_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v,
                             const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(grad, w, "grad");
-  check_buffer(m, w, "exp_avg");
-  check_buffer(v, w, "exp_avg_sq");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::adam_step_predict_: out must not be w");
+  const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  float* px = const_cast<float*>(opt_ptr(vmax, w, "max_exp_avg_sq"));
-  const AdamStepCoeffs c = adam_coeffs(coeffs);
-  float *pw = w.data_ptr<float>(), *pm = m.data_ptr<float>(), *pv = v.data_ptr<float>();
-  const float* pg = grad.data_ptr<float>();
-  const bool vec_ok = aligned16({pw, pg, pm, pv, px, out.data_ptr()});
+  const bool vec_ok = aligned16({a.w, a.g, a.m, a.v, a.vmax, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
-    T* po = static_cast<T*>(out.data_ptr());
-    with_bool(px != nullptr, [&](auto ams) {
-      launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
-        adam_kernel<ams, T, vec><<<blocks, kThreads, 0, s>>>(n, pw + o, pg + o, pm + o, pv + o, offset(px, o), po + o, c);
+    T* po = static_cast<T*>(a.out);
+    with_bool(a.vmax != nullptr, [&](auto ams) {
+      launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+        adam_kernel<ams, T, vec><<<blocks, kThreads, 0, s>>>(n, a.w + o, a.g + o, a.m + o, a.v + o,
+                                                              offset(a.vmax, o), po + o, a.c);
       });
     });
   });
@@ -240,24 +226,18 @@ void adam_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const a
 
 void sgd_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
                            const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
-  check_buffer(w, w, "w");
-  check_buffer(grad, w, "grad");
-  check_buffer(out, w, "out", false);
-  TORCH_CHECK(out.data_ptr() != w.data_ptr(), "pipeoptim::sgd_step_predict_: out must not be w");
+  const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  float* pb = const_cast<float*>(opt_ptr(buf, w, "momentum_buffer"));
-  const SgdStepCoeffs c = sgd_coeffs(coeffs);
-  float* pw = w.data_ptr<float>();
-  const float* pg = grad.data_ptr<float>();
-  const bool vec_ok = aligned16({pw, pg, pb, out.data_ptr()});
+  const bool vec_ok = aligned16({a.w, a.g, a.buf, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
-    T* po = static_cast<T*>(out.data_ptr());
-    with_bool(pb != nullptr, [&](auto hm) {
+    T* po = static_cast<T*>(a.out);
+    with_bool(a.buf != nullptr, [&](auto hm) {
       with_bool(nesterov, [&](auto nes) {
         with_bool(first, [&](auto fst) {
-          launch_split(w.numel(), vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
-            sgd_kernel<hm, nes, fst, T, vec><<<blocks, kThreads, 0, s>>>(n, pw + o, pg + o, offset(pb, o), po + o, c);
+          launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+            sgd_kernel<hm, nes, fst, T, vec><<<blocks, kThreads, 0, s>>>(n, a.w + o, a.g + o, offset(a.buf, o),
+                                                                         po + o, a.c);
           });
         });
       });
