@@ -27,6 +27,7 @@ than in an endless stream.
 
     python benchmarks/bench_convergence.py --suite digits4 [--seeds 0 1 2] [--steps 600]
     python benchmarks/bench_convergence.py --report          # tables (markdown) + curves from the CSVs
+    python benchmarks/bench_convergence.py --check-executor  # emulator == 2-process executor on these settings?
 
 Writes benchmarks/results/convergence_<suite>.csv (one row per run), convergence_<suite>_curves.csv (eval
 points) and, with --report, convergence_summary.csv, convergence_<suite>.png; prints the reproducing command.
@@ -291,6 +292,42 @@ def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple
     return row, curve
 
 
+# ---- is the emulator what the distributed executor does, for these settings? --------------------------------
+CHECK_METHODS = ("sync", "none", "stash", "2bw", "spectrain", "pipeoptim-paper", "pipeoptim-exact")
+
+
+def _train_few(method: str, emulate: bool, devices: int, windows: int, window: int) -> dict:
+    """A few windows of digits training (SGD-momentum, the digits suites' lr); returns the final parameters."""
+    from pipeoptim.train import Pipeline
+    torch.manual_seed(0)
+    task = Task("digits", 0)
+    kw, mb_size = method_config(method, devices, 8, window)
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer("sgd", 0.005),
+                    devices=devices, emulate=emulate, **kw)
+    for _ in range(windows):
+        pipe.train_step(task.batch(mb_size * kw["microbatches"]))
+    return {k: v.detach().clone() for k, v in pipe.named_parameters().items()}
+
+
+def check_executor(devices: int = 2, windows: int = 3, window: int = 8) -> list[dict]:
+    """Train each method with the distributed executor (``devices`` gloo processes) and with the emulator; report
+    the largest parameter difference. The runtime's own test covers AdamW on a GPT; this covers SGD on digits."""
+    from pipeoptim.runtime import launch
+    rows = []
+    for m in CHECK_METHODS:
+        dist = {}
+        for part in launch(_train_few, devices, m, False, devices, windows, window, timeout_s=300):
+            dist.update(part)
+        emu = _train_few(m, True, devices, windows, window)
+        if set(dist) != set(emu):
+            raise RuntimeError(f"{m}: executor and emulator hold different parameters")
+        diff = max((dist[k] - emu[k]).abs().max().item() for k in emu)
+        rows.append({"method": m, "devices": devices, "updates": windows * (window if m != "sync" else 1),
+                     "max_abs_param_diff": diff, "bitwise_equal": all(torch.equal(dist[k], emu[k]) for k in emu)})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def _append(path: str, rows: list[dict]) -> None:
     new = not os.path.exists(path)
     fields = list(rows[0])
@@ -367,9 +404,11 @@ def report(out: str) -> None:
         cfg = SUITES[suite]
         print(f"\n### {suite}: {cfg['task']}, D={cfg['devices']}, {cfg['optimizer']} lr={rows[0]['lr']}, "
               f"{rows[0]['steps']} updates\n")
-        print(f"| method | seeds | {metric} (mean ± std) | {hit_col} (mean; runs that reached it) | final train loss "
+        ref = "sync" if "sync" in by else "s-schedule"
+        ref_by_seed = {r["seed"]: float(r[metric]) for r in by.get(ref, [])}
+        print(f"| method | seeds | {metric} (mean ± std) | paired Δ vs {ref} (same seeds) | {hit_col} (mean; runs that reached it) | final train loss "
               f"| extra weight bytes per stage (seed {by[next(iter(by))][0]['seed']}) | fraction of stage weights |")
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         for m in [m for m in METHODS + tuple(f"s-{r}" for r in S_RULES) if m in by]:
             rs = by[m]
             vals = [float(r[metric]) for r in rs]
@@ -377,7 +416,9 @@ def report(out: str) -> None:
             hit = f"{statistics.mean(hits):.0f} ({len(hits)}/{len(rs)})" if hits else f"never (0/{len(rs)})"
             tl = [float(r["final_train_loss"]) for r in rs]
             div = sum(r["diverged"] == "True" for r in rs)
-            print(f"| {m}{' (' + str(div) + ' diverged)' if div else ''} | {len(rs)} | {_ms(vals)} | {hit} | "
+            paired = [float(r[metric]) - ref_by_seed[r["seed"]] for r in rs if r["seed"] in ref_by_seed]
+            print(f"| {m}{' (' + str(div) + ' diverged)' if div else ''} | {len(rs)} | {_ms(vals)} | "
+                  f"{_ms(paired) if m != ref else '–'} | {hit} | "
                   f"{_ms(tl)} | {rs[0]['extra_weight_bytes_per_stage']} | {rs[0]['extra_weight_frac_per_stage']} |")
             fin = [v for v in vals if math.isfinite(v)]
             summary.append({"suite": suite, "method": m, "seeds": len(rs), "metric": metric,
@@ -419,6 +460,9 @@ def _plot(out: str, suite: str, metric: str) -> None:
     ax.set_ylabel("test accuracy" if metric == "acc" else "validation loss (nats/byte)")
     if metric == "acc":
         ax.set_ylim(0.5, 1.0)
+    else:  # the first evaluations dwarf the differences at the end
+        low = min(statistics.mean(v) for pts in by.values() for v in pts.values())
+        ax.set_ylim(low - 0.05, low + 0.75)
     ax.set_title(f"{suite}: D={cfg['devices']}, {cfg['optimizer']}, mean over seeds (band: min–max)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -438,14 +482,24 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=32, help="micro-batches per train_step for async schedules")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fresh", action="store_true", help="delete this suite's CSVs first (default: resume)")
+    ap.add_argument("--check-executor", action="store_true",
+                    help="compare the emulator with the 2-process distributed executor on digits (SGD)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    if not args.suite and not args.report:
-        ap.error("give --suite NAME (run) or --report (summarise)")
+    if not (args.suite or args.report or args.check_executor):
+        ap.error("give --suite NAME (run), --report (summarise) or --check-executor")
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     print("command: python " + " ".join([os.path.relpath(os.path.abspath(__file__))] +
                                         (list(argv) if argv is not None else sys.argv[1:])), flush=True)
+    if args.check_executor:
+        rows = check_executor()
+        path = os.path.join(args.out, "convergence_executor_check.csv")
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"wrote {path}")
     if args.suite:
         run_suite(args)
     if args.report:
