@@ -71,18 +71,23 @@ class SavedWeights:
         self._groups[flat.untyped_storage()._cdata] = (group, flat.dtype)
 
     @contextmanager
-    def hooks(self, tag: Any, resolve: Callable[[int, Any], torch.Tensor]) -> Iterator[None]:
+    def hooks(self, tag: Any, resolve: Callable[[int, Any], torch.Tensor],
+              activations: dict | None = None) -> Iterator[None]:
         """Inside: saved weight aliases become handles; at backward, `resolve(group, tag)` names the flat
-        buffer to read (laid out like the group's weights)."""
+        buffer to read (laid out like the group's weights). `activations`, if given, receives
+        {storage id: bytes} of every other saved tensor's storage (what the forward keeps for its backward)."""
         groups = self._groups
 
         def pack(t: torch.Tensor):
             try:
-                key = t.untyped_storage()._cdata
+                storage = t.untyped_storage()
+                key = storage._cdata
             except (RuntimeError, NotImplementedError, AttributeError):
                 return t
             hit = groups.get(key)
             if hit is None or hit[1] != t.dtype:
+                if activations is not None:
+                    activations[key] = storage.nbytes()
                 return t
             return _Handle(hit[0], t.storage_offset(), t.size(), t.stride(), tag, resolve)
 

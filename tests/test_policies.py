@@ -376,3 +376,24 @@ def test_predictions_use_each_param_groups_own_lr(name):
     with torch.no_grad(), pol.forward(0, s=2.0):
         y = model(x)
     assert torch.allclose(y, loaded_copy(model, expected)(x), atol=1e-5)
+
+
+def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
+    from pipeoptim.policies import make_policy
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8, bias=False)
+    pol = make_policy("none", lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    ys = []
+    for i, x in enumerate(xs):
+        with pol.forward(i):
+            ys.append(lin(x))  # saves x (128 B) and the weight (not an activation)
+    assert pol.peak_activation_bytes == 3 * 4 * 8 * 4
+    for i, y in enumerate(ys):
+        with pol.backward(i):
+            y.sum().backward()
+    with pol.forward(9):
+        y = lin(xs[0])
+    assert pol._act_now == 4 * 8 * 4 and pol.peak_activation_bytes == 3 * 4 * 8 * 4
+    pol.discard(9)
+    assert pol._act_now == 0

@@ -34,7 +34,9 @@ Rules for the executor:
   run's. `state_dict()` keys that state by the module's parameter names, so a runtime can re-key it by
   global names and load it into another stage balance.
 - `extra_weight_bytes()` is the memory the policy holds beyond the model, its gradients and the
-  optimizer's own state; `memory_report()` splits it by purpose.
+  optimizer's own state; `memory_report()` splits it by purpose. `peak_activation_bytes` is the most
+  bytes that forwards in flight had saved for their backwards (each forward's saved storages counted
+  once; weights excluded), which is what the schedule costs in activations on this stage.
 """
 from __future__ import annotations
 
@@ -77,6 +79,11 @@ class WeightPolicy:
         self.saved = SavedWeights(binding)
         self._in_flight: dict[Hashable, Any] = {}
         self._backwards = 0  # since the last step
+        # bytes of the tensors forwards saved for their backwards (storages, counted once per forward), in
+        # flight now and at most so far: the stage's activation memory under this schedule
+        self._act: dict[Hashable, int] = {}
+        self._act_now = 0
+        self.peak_activation_bytes = 0
 
     # ---- the interface ----------------------------------------------------------------------------
 
@@ -89,10 +96,14 @@ class WeightPolicy:
             raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
                              "policy.discard(mb)) before reusing the id")
         tag = self._forward_tag(mb, s)
-        with self.saved.hooks(tag, self._resolve), self._forward_weights(mb, s):
+        acts: dict = {}
+        with self.saved.hooks(tag, self._resolve, acts), self._forward_weights(mb, s):
             yield
         if torch.is_grad_enabled():
             self._in_flight[mb] = tag
+            self._act[mb] = sum(acts.values())
+            self._act_now += self._act[mb]
+            self.peak_activation_bytes = max(self.peak_activation_bytes, self._act_now)
 
     @contextmanager
     def backward(self, mb: Hashable, s: float = 0) -> Iterator[None]:
@@ -104,6 +115,7 @@ class WeightPolicy:
         with self._backward_weights(mb, s):
             yield
         self._release(mb, self._in_flight.pop(mb))
+        self._act_now -= self._act.pop(mb, 0)
         self._backwards += 1
         self.binding.grads_changed()
 
@@ -131,6 +143,7 @@ class WeightPolicy:
         """Forget micro-batch `mb`'s forward (its backward will never run)."""
         if mb in self._in_flight:
             self._release(mb, self._in_flight.pop(mb))
+            self._act_now -= self._act.pop(mb, 0)
 
     @property
     def in_flight(self) -> tuple:
