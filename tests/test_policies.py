@@ -397,3 +397,24 @@ def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
     assert pol._act_now == 4 * 8 * 4 and pol.peak_activation_bytes == 3 * 4 * 8 * 4
     pol.discard(9)
     assert pol._act_now == 0
+
+
+def test_policy_state_dict_refuses_in_flight_and_partial_groups():
+    from pipeoptim.policies import make_policy
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    pol = make_policy("spectrain", net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(3, 4)
+    with pol.forward(0):
+        y = net(x)
+    with pytest.raises(RuntimeError, match="in flight"):
+        pol.state_dict()
+    with pol.backward(0):
+        y.sum().backward()
+    pol.step()
+    sd = pol.state_dict()
+    assert set(sd["params"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert sd["params"]["0.weight"]["steps_taken"] == 1 and sd["params"]["0.weight"]["smoothed_grad"].abs().sum() > 0
+    del sd["params"]["1.bias"]
+    with pytest.raises(ValueError, match="share one flat group"):
+        pol.load_state_dict(sd)
