@@ -6,7 +6,8 @@ AdamW); every backward op reads the real weights current at backward time; the o
 weights. One prediction buffer per flat group serves every micro-batch in flight (the saved weights of
 each forward are redirected to the real buffer), so the extra memory is one copy of the working weights,
 plus a copy of the last gradient for rules that read it (SGD without momentum or with Nesterov, RMSprop
-without momentum, Adagrad, NAdam).
+without momentum, Adagrad, NAdam); that copy is part of `state_dict()`, so a resumed run predicts as the
+uninterrupted one.
 
 `step(next_s=s)` fuses the step with the next forward's prediction (one pass, sgd/adam/adamw in exact
 mode); the following `forward(mb, s)` then finds ŵ ready. A changed lr or s in between just predicts again.
