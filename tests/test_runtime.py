@@ -191,3 +191,35 @@ def test_stash_backward_reads_the_version_its_forward_read(policy):
         assert all(saved_is_forwards)
     else:
         assert saved_is_forwards == real_is_forwards
+
+
+def _spectrain_sgd(params):
+    return torch.optim.SGD(params, lr=0.5)  # no smoothed gradient: SpecTrain keeps its own average (policy state)
+
+
+_RESUME_CASE = ("async-1f1b", "spectrain", 2, 4, 1, {})
+
+
+def resume_job(directory: str):
+    """Rank side: two steps, save, a fresh pipeline loads, two more steps."""
+    first = rc.make_pipeline(_RESUME_CASE, emulate=False, optimizer=_spectrain_sgd)
+    for i in range(2):
+        first.train_step(rc.batch(i))
+    first.save(directory)
+    resumed = rc.make_pipeline(_RESUME_CASE, emulate=False, optimizer=_spectrain_sgd)
+    resumed.load(directory)
+    for i in range(2, 4):
+        resumed.train_step(rc.batch(i))
+    return {k: v.detach().clone() for k, v in resumed.named_parameters().items()}
+
+
+def test_distributed_resume_with_policy_state_equals_uninterrupted(tmp_path, one_thread):
+    results = launch(resume_job, 2, str(tmp_path / "ck"), timeout_s=90)
+    got = {}
+    for r in results:
+        got.update(r)
+    straight = rc.make_pipeline(_RESUME_CASE, emulate=True, optimizer=_spectrain_sgd)
+    for i in range(4):
+        straight.train_step(rc.batch(i))
+    for k, v in straight.named_parameters().items():
+        assert torch.equal(got[k], v), k
