@@ -1,7 +1,11 @@
 """Runtime benchmark: what the executor achieves on this machine, and what that predicts at scale.
 
 1. tokens/s, bubble fraction and memory per schedule and weight policy: D=4 processes (gloo, 1 thread each)
-   training a small GPT on the stdlib corpus; peak RSS per rank and the policy's extra weight bytes per stage.
+   training a small GPT on the stdlib corpus. Memory per rank (= per stage, or per device's chunks for
+   interleaved/bidirectional schedules): the peak activation bytes (what the forwards in flight saved for
+   their backwards, counted by the policy's saved-tensor hooks, summed over the device's chunks' peaks),
+   the policy's extra weight bytes (prediction buffer, stashes incl. their pool, last gradient, averages:
+   the peak, since stash buffers are pooled, not freed) and the process's peak RSS (mostly torch itself).
 2. measured per-op costs (forward, backward, step, predict of one stage, in this process) fed to
    ``pipeoptim.sim`` for D = 8, 16, 32 projections (N = 2D), makespan and bubble per schedule.
 
@@ -50,9 +54,12 @@ def rank_job(schedule: str, policy, steps: int, N: int, mbs: int) -> dict:
         pipe.train_step(b)
         bubbles.append(pipe.last_stats["bubble"])
     dt = time.perf_counter() - t0
-    extra = sum(st.policy.extra_weight_bytes() for st in pipe.workers[0].stages.values())
+    stages = pipe.workers[0].stages.values()
+    extra = sum(st.policy.extra_weight_bytes() for st in stages)
+    acts = sum(st.policy.peak_activation_bytes for st in stages)
     return {"tokens_per_s": steps * N * mbs * cfg.seq_len / dt, "bubble": sum(bubbles) / len(bubbles),
-            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "extra_weight_bytes": extra}
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "extra_weight_bytes": extra,
+            "activation_bytes": acts}
 
 
 def measure_costs(mbs: int, repeats: int = 5) -> dict:
@@ -104,8 +111,10 @@ def main(argv=None) -> int:
         row = {"schedule": sched, "policy": pol or "none", "devices": 4, "microbatches": args.microbatches,
                "tokens_per_s": round(res[0]["tokens_per_s"]), "bubble": round(res[0]["bubble"], 3)}
         for r, x in enumerate(res):
-            row[f"rss_mb_rank{r}"] = round(x["rss_mb"])
+            row[f"act_peak_kb_rank{r}"] = round(x["activation_bytes"] / 1024)
             row[f"extra_weight_kb_rank{r}"] = round(x["extra_weight_bytes"] / 1024)
+        for r, x in enumerate(res):
+            row[f"rss_mb_rank{r}"] = round(x["rss_mb"])
         rows.append(row)
         print(row, flush=True)
     path = os.path.join(args.out, "runtime_throughput.csv")
