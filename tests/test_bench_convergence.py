@@ -18,6 +18,16 @@ _spec.loader.exec_module(bc)
 TINY = dict(task="digits", devices=2, optimizer="sgd", lr=0.01, steps=8, mbs=8, eval_every=4, target=0.5)
 
 
+@pytest.fixture(autouse=True)
+def restore_policy_registry():
+    """The ablation registers extra policies in the global registry; undo it so other tests see the built-ins."""
+    from pipeoptim.policies import POLICIES
+    before = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
 @pytest.fixture
 def one_thread():
     n = torch.get_num_threads()
