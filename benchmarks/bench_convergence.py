@@ -322,7 +322,8 @@ def check_executor(devices: int = 2, windows: int = 3, window: int = 8) -> list[
         if set(dist) != set(emu):
             raise RuntimeError(f"{m}: executor and emulator hold different parameters")
         diff = max((dist[k] - emu[k]).abs().max().item() for k in emu)
-        rows.append({"method": m, "devices": devices, "updates": windows * (window if m != "sync" else 1),
+        per = 1 if m == "sync" else window // (devices if m == "2bw" else 1)
+        rows.append({"method": m, "devices": devices, "updates": windows * per,
                      "max_abs_param_diff": diff, "bitwise_equal": all(torch.equal(dist[k], emu[k]) for k in emu)})
         print(rows[-1], flush=True)
     return rows
