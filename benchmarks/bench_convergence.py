@@ -17,9 +17,10 @@ Workloads (``--suite``):
 Methods: ``sync`` (1F1B with one micro-batch per step: every update sees one weight version, the staleness-free
 reference with the same samples per update and the same number of updates as the async runs), ``none`` (naive
 async 1F1B), ``stash`` (PipeDream), ``2bw`` (PipeDream-2BW: D micro-batches of size b/D accumulated per update, so
-samples per update and updates match the others), ``spectrain`` (as the runtime runs it: forward s = the
-schedule's D-k-1, backward s = floor(k/2)), ``spectrain-paper`` (forward s = floor(k/2) + D-k-1, as in the SpecTrain
-paper), ``pipeoptim-paper``, ``pipeoptim-exact``.
+samples per update and updates match the others), ``spectrain`` (the paper's s: forward floor(k/2) + D-k-1,
+backward floor(k/2); benchmarks/RESULTS.md's ``spectrain-paper`` rows were run with a subclass doing this before the
+runtime passed the look-ahead itself, its ``spectrain`` rows with the forward s missing it), ``pipeoptim-paper``,
+``pipeoptim-exact``.
 
 Every asynchronous run is a stream of ``train_step`` windows of ``--window`` micro-batches (each micro-batch is a
 mini-batch and a step); each window warms up and drains, so a small share of micro-batches sees less staleness
@@ -49,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-METHODS = ("sync", "none", "stash", "2bw", "spectrain", "spectrain-paper", "pipeoptim-paper", "pipeoptim-exact")
+METHODS = ("sync", "none", "stash", "2bw", "spectrain", "pipeoptim-paper", "pipeoptim-exact")
 S_RULES = ("schedule", "paper", "code")
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
@@ -180,29 +181,6 @@ def _register_s_policy():
     register_policy(SRulePolicy)
 
 
-def _register_spectrain_paper():
-    """SpecTrain with the paper's forward look-ahead. The runtime passes every policy's forward the schedule's
-    s (D-k-1 steady state) and SpecTrain's backward ``plan.s_backward`` (floor(k/2)); SpecTrain's forward should
-    predict the same version as its backward, s = floor(k/2) + D-k-1 (DESIGN.md §3, policies/spectrain.py), so
-    this subclass adds the backward look-ahead to the forward's s (``plan`` and ``chunk`` set after building)."""
-    from pipeoptim.policies import POLICIES, SpecTrainPolicy, register_policy
-    if "spectrain-paper" in POLICIES:
-        return
-
-    class SpecTrainPaper(SpecTrainPolicy):
-        name = "spectrain-paper"
-        plan, chunk = None, None
-
-        @contextmanager
-        def _forward_weights(self, mb, s):
-            extra = self.plan.s_backward.get((mb, self.chunk), 0) if (self.plan is not None and
-                                                                      torch.is_grad_enabled()) else 0
-            with super()._forward_weights(mb, s + extra):
-                yield
-
-    register_policy(SpecTrainPaper)
-
-
 # ---- one run ------------------------------------------------------------------------------------------------
 def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     """Pipeline keyword arguments and the per-micro-batch size for `method`."""
@@ -216,9 +194,6 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     if method.startswith("s-"):
         _register_s_policy()
         return dict(schedule="async-1f1b", policy="pipeoptim-srule", microbatches=window), mbs
-    if method == "spectrain-paper":
-        _register_spectrain_paper()
-        return dict(schedule="async-1f1b", policy="spectrain-paper", microbatches=window), mbs
     pol = {"pipeoptim-paper": ("pipeoptim", {"mode": "paper"}),
            "pipeoptim-exact": ("pipeoptim", {"mode": "exact"})}.get(method, (method, {}))
     if method not in METHODS:
@@ -248,10 +223,6 @@ def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple
         for w in pipe.workers:
             for chunk, st in w.stages.items():
                 st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, D
-    if method == "spectrain-paper":
-        for w in pipe.workers:
-            for chunk, st in w.stages.items():
-                st.policy.plan, st.policy.chunk = pipe.plan, chunk
     per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
     per_call = kw["microbatches"] // per_update  # updates per train_step
     curve, steps, t0, train_losses = [], 0, time.perf_counter(), []

@@ -67,13 +67,6 @@ def test_schedule_rule_equals_plain_pipeoptim_and_paper_rule_differs(one_thread)
     assert rows["pipeoptim-exact"]["extra_weight_frac_per_stage"].split()[0] == "1.00"
 
 
-def test_spectrain_paper_adds_the_backward_lookahead_only_from_stage_2(one_thread):
-    # D=2: floor(k/2) = 0 on both stages, so the paper's forward s equals the schedule's and the runs agree
-    a, _ = bc.run_one("tiny", "spectrain", 0, TINY, window=4)
-    b, _ = bc.run_one("tiny", "spectrain-paper", 0, TINY, window=4)
-    assert a["final_loss"] == b["final_loss"]
-
-
 def test_runs_and_report(tmp_path, one_thread, capsys):
     for m, seeds in (("sync", (0, 1)), ("stash", (0, 1)), ("2bw", (0,))):
         for seed in seeds:

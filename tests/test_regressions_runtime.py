@@ -90,3 +90,29 @@ def test_train_config_from_the_pipeoptim_command_is_picklable():
     from pipeoptim.runtime.cli_train import _config
     args = build_parser().parse_args(["train", "--steps", "1"])
     pickle.dumps(_config(args))
+
+
+def test_spectrain_forward_predicts_past_the_backward(monkeypatch):
+    """SpecTrain's forward on stage k predicts ⌊k/2⌋ + D−k−1 steps ahead (DESIGN.md §3): the schedule's s
+    plus the backward's look-ahead. The runtime used to give it the schedule's s alone (stage 2 of 4 got 1,
+    not 2)."""
+    from pipeoptim.policies import SpecTrainPolicy
+    from pipeoptim.train import Pipeline
+
+    seen: dict[int, set] = {}
+    original = SpecTrainPolicy._forward_weights
+
+    def spy(self, mb, s):
+        seen.setdefault(id(self), set()).add(s)
+        return original(self, mb, s)
+
+    monkeypatch.setattr(SpecTrainPolicy, "_forward_weights", spy)
+    pipe = Pipeline([nn.Linear(4, 4) for _ in range(4)], loss_fn=lambda y, t: (y - t).pow(2).mean(),
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), devices=4,
+                    schedule="async-1f1b", policy="spectrain", microbatches=12, emulate=True)
+    pipe.train_step((torch.randn(48, 4), torch.randn(48, 4)))
+    steady = {}
+    for w in pipe.workers:
+        for chunk, st in w.stages.items():
+            steady[chunk.stage] = max(seen[id(st.policy)])
+    assert steady == {k: k // 2 + 4 - k - 1 for k in range(4)}

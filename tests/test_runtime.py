@@ -128,8 +128,8 @@ def test_forward_reads_prediction_only_under_pipeoptim(policy):
     inner = st.policy.forward
 
     @contextlib.contextmanager
-    def forward(mb, s=0):
-        with inner(mb, s=s):
+    def forward(mb, s=0, **kw):
+        with inner(mb, s=s, **kw):
             yield
         real.append(st.module.layers[0].tok.weight.detach().clone())  # the real weights, once restored
     st.policy.forward = forward

@@ -7,7 +7,7 @@ SpecTrain's and PipeOptim's predictions. The executor codes against `WeightPolic
 
     policy = make_policy("pipeoptim", stage, optimizer)           # or "none", "stash", "2bw", "spectrain"
     ...
-    with policy.forward(mb, s=s_fwd):                              # s: steps until mb's backward (schedule)
+    with policy.forward(mb, s=s_fwd, lookahead=s_bwd):             # s: steps until mb's backward (schedule)
         y = stage(x)
     ...
     with policy.backward(mb, s=s_bwd):                             # s_bwd: SpecTrain's backward look-ahead
@@ -88,10 +88,14 @@ class WeightPolicy:
     # ---- the interface ----------------------------------------------------------------------------
 
     @contextmanager
-    def forward(self, mb: Hashable, s: float = 0) -> Iterator[None]:
+    def forward(self, mb: Hashable, s: float = 0, lookahead: float = 0) -> Iterator[None]:
         """Run micro-batch `mb`'s forward inside. `s`: optimizer steps this stage will take before mb's
-        backward (used by predicting policies; others ignore it)."""
+        backward (used by predicting policies; others ignore it). `lookahead`: the steps after that
+        backward that the same micro-batch's backward will predict (SpecTrain's backward s); a policy whose
+        forward aims past the backward (SpecTrain: s + lookahead) adds it in `_forward_s`."""
         _check_s(s)
+        _check_s(lookahead)
+        s = self._forward_s(s, lookahead)
         if mb in self._in_flight:
             raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
                              "policy.discard(mb)) before reusing the id")
@@ -244,6 +248,10 @@ class WeightPolicy:
             predictor.invalidate()
 
     # ---- what subclasses decide --------------------------------------------------------------------
+
+    def _forward_s(self, s: float, lookahead: float) -> float:
+        """The version difference the forward predicts for (default: up to the backward on this stage)."""
+        return s
 
     def _forward_tag(self, mb: Hashable, s: float) -> Any:
         """What a saved weight remembers of its forward, passed back to `_resolve` at backward."""

@@ -7,8 +7,9 @@ predicts as the uninterrupted one). Unlike PipeOptim it ignores how the optimize
 turns v into an update (Adam's normalisation, decoupled decay).
 
 The paper version predicts twice per micro-batch: the forward on stage k reads ŵ for
-s = ⌊k/2⌋ + D−k−1 and the backward reads ŵ for s = ⌊k/2⌋, predicted at backward time. Both s are inputs:
-`forward(mb, s)` and `backward(mb, s)`; the schedule computes them. The backward's prediction is written
+s = ⌊k/2⌋ + D−k−1 and the backward reads ŵ for s = ⌊k/2⌋, predicted at backward time. Both s are inputs
+that the schedule computes: `forward(mb, s=D−k−1, lookahead=⌊k/2⌋)` (the forward predicts s + lookahead)
+and `backward(mb, s=⌊k/2⌋)`. The backward's prediction is written
 into the same buffer as the forward's (they never overlap in time).
 """
 from __future__ import annotations
@@ -62,6 +63,10 @@ class SpecTrainPolicy(WeightPolicy):
         v = self._own[i] if i in self._own else g.state[self._source(g)]
         hp = {"lr": self.binding.group_hparams(g)["lr"], "momentum": 1.0}
         return "sgd", {"momentum_buffer": v}, hp, "paper"
+
+    def _forward_s(self, s: float, lookahead: float) -> float:
+        # The paper's forward predicts the version the backward will predict: ⌊k/2⌋ + D−k−1.
+        return s + lookahead
 
     @contextmanager
     def _forward_weights(self, mb: Hashable, s: float) -> Iterator[None]:

@@ -4,8 +4,9 @@ The distributed executor (one ``DeviceWorker`` per process) and the single-proce
 one process) run the very same code here; they differ only in how tensors travel between workers and how
 collectives are computed. That is what lets the emulator be the executor's oracle.
 
-The worker knows nothing of which weight policy runs: forwards run inside ``policy.forward(mb, s)``, with s
-from the schedule (``Plan.s_forward``), backwards inside ``policy.backward(mb, s)``, and ``Step`` actions call
+The worker knows nothing of which weight policy runs: forwards run inside ``policy.forward(mb, s, lookahead)``,
+with s from the schedule (``Plan.s_forward``) and the backward's look-ahead (``Plan.s_backward``), backwards
+inside ``policy.backward(mb, s=look-ahead)``, and ``Step`` actions call
 ``policy.step(next_s=...)``. Every chunk's graph is cut at its boundary: inputs arrive detached and get
 ``requires_grad``, so a backward runs one chunk and yields the gradients of that chunk's inputs.
 """
@@ -92,7 +93,8 @@ class DeviceWorker:
             xs = tuple(x.requires_grad_(True) if self.train and x.is_floating_point() else x for x in received)
         last = self.plan.is_last(op.chunk)
         if self.train:
-            with st.policy.forward(op.mb, s=self.plan.s_forward(op)), self._autocast():
+            with st.policy.forward(op.mb, s=self.plan.s_forward(op),
+                                   lookahead=self.plan.s_backward.get((op.mb, op.chunk), 0)), self._autocast():
                 out = self._run_module(st, xs)
                 loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
@@ -140,8 +142,7 @@ class DeviceWorker:
                                        "input in place or returned a gradient for a different tensor")
                 tensors.append(o)
                 grad_tensors.append(g.to(o.dtype))
-        with st.policy.backward(op.mb, s=self.plan.s_backward.get((op.mb, op.chunk), 0)
-                                if getattr(st.policy, "name", "") == "spectrain" else 0):
+        with st.policy.backward(op.mb, s=self.plan.s_backward.get((op.mb, op.chunk), 0)):
             if tensors:
                 torch.autograd.backward(tensors, grad_tensors)
         self.busy += time.perf_counter() - t0
