@@ -130,11 +130,7 @@ class Predictor:
         self.direction = direction or self._own_direction
         if direction is None:
             binding.keep_last_grad()
-        # "pointer"/"swap": the prediction; "inplace": the stash of the real weights.
-        self.buffers = [torch.empty_like(g.work) for g in binding.groups]
-        if mechanism == "pointer":
-            for i, buf in enumerate(self.buffers):
-                saved.watch(buf, i)
+        self._buffers: list[torch.Tensor] | None = None  # allocated on first use, see `buffers`
         self._tag: tuple | None = None  # what the buffers hold: (version, s, lrs, mode) of a prediction
         self._remove = binding.on_after_step(self.invalidate)
         self.lent = False
@@ -147,8 +143,19 @@ class Predictor:
         step, s, lr or mode it was made for no longer holds)."""
         self._tag = None
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """"pointer"/"swap": the prediction; "inplace": the stash of the real weights. Allocated when first
+        needed, so a stage that never predicts (the last one: s is always 0) holds no extra copy."""
+        if self._buffers is None:
+            self._buffers = [torch.empty_like(g.work) for g in self.binding.groups]
+            if self.mechanism == "pointer":
+                for i, buf in enumerate(self._buffers):
+                    self.saved.watch(buf, i)
+        return self._buffers
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
+        return sum(b.numel() * b.element_size() for b in self._buffers or ())
 
     def active(self, s: float) -> bool:
         """Whether a prediction for s would differ from the real weights (s > 0 after the first step)."""

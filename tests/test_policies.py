@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from torch import nn
 
 from pipeoptim.policies import POLICIES, WeightPolicy, make_policy, register_policy
 from test_predictor import MLP, XWT, params64, reference_prediction
@@ -379,7 +380,6 @@ def test_predictions_use_each_param_groups_own_lr(name):
 
 
 def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
-    from pipeoptim.policies import make_policy
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8, bias=False)
     pol = make_policy("none", lin, torch.optim.SGD(lin.parameters(), lr=0.1))
@@ -400,7 +400,6 @@ def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
 
 
 def test_policy_state_dict_refuses_in_flight_and_partial_groups():
-    from pipeoptim.policies import make_policy
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     pol = make_policy("spectrain", net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -418,3 +417,23 @@ def test_policy_state_dict_refuses_in_flight_and_partial_groups():
     del sd["params"]["1.bias"]
     with pytest.raises(ValueError, match="share one flat group"):
         pol.load_state_dict(sd)
+
+
+def test_pipeoptim_holds_no_prediction_buffer_where_it_never_predicts():
+    """The last stage of async 1F1B always has s = 0: its policy must not hold a weight-sized copy
+    (it used to allocate one at construction). The first forward with s > 0 allocates it, once."""
+    torch.manual_seed(0)
+    module = nn.Linear(100, 100)
+    policy = make_policy("pipeoptim", module, torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9))
+    for mb in range(3):
+        with policy.forward(mb, s=0):
+            y = module(torch.randn(2, 100))
+        with policy.backward(mb):
+            y.sum().backward()
+        policy.step()
+    assert policy.memory_report()["prediction"] == 0
+    with policy.forward(3, s=1):
+        y = module(torch.randn(2, 100))
+    with policy.backward(3):
+        y.sum().backward()
+    assert policy.memory_report()["prediction"] == 101 * 100 * 4
