@@ -64,7 +64,6 @@ def rank_job(schedule: str, policy, steps: int, N: int, mbs: int) -> dict:
 
 def measure_costs(mbs: int, repeats: int = 5) -> dict:
     """Per-op seconds of one stage (the model cut in 4), measured in this process on one thread."""
-    from pipeoptim.models.gpt import lm_loss
     from pipeoptim.policies import make_policy
     torch.set_num_threads(1)
     cfg, layers = _model()

@@ -22,7 +22,6 @@ name; call ``train_step(batch)`` on every rank.
 from __future__ import annotations
 
 import copy
-import os
 from typing import Callable, Sequence
 
 import torch

@@ -65,7 +65,7 @@ def _resolve_backend(backend: str, w: torch.Tensor, out: torch.Tensor, builtin: 
     if backend == "eager":
         return backend
     if not builtin:
-        raise ValueError(f"custom rules run on the eager backend only; pass backend='eager' or 'auto'")
+        raise ValueError("custom rules run on the eager backend only; pass backend='eager' or 'auto'")
     if not compiled_ok:
         raise TypeError(f"backend {backend!r} needs float32 w and state with a float32/bfloat16/float16 out "
                         f"(got w {w.dtype}, out {out.dtype}); use backend='eager' for other dtypes")

@@ -13,3 +13,12 @@ def gen():
     """A generator with a fresh seed each run (printed on failure) so every run sees new inputs."""
     seed = int.from_bytes(os.urandom(4), "little")
     return torch.Generator().manual_seed(seed)  # g.initial_seed() recovers it
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: deterministic reductions, and steadier on the shared 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

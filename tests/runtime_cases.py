@@ -31,6 +31,27 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
+def single_process_reference(layers, N: int, steps: int = STEPS):
+    """Plain training of `layers` as one nn.Sequential, SGD, each step on N micro-batches of the same batch:
+    ({"<layer>.<param>": weights after training}, [global gradient norm per step]) — the pipelines' oracle."""
+    from torch import nn
+    model = nn.Sequential(*layers)
+    opt = sgd(model.parameters())
+    norms = []
+    for i in range(steps):
+        x, y = batch(i)
+        opt.zero_grad()
+        for xm, ym in zip(x.chunk(N), y.chunk(N)):
+            (lm_loss(model(xm), ym) / N).backward()
+        norms.append(float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))))
+        opt.step()
+    params = {}
+    for i, layer in enumerate(model):
+        for n, p in layer.named_parameters(remove_duplicate=False):
+            params[f"{i}.{n}"] = p.detach().clone()
+    return params, norms
+
+
 def make_pipeline(case, emulate: bool, optimizer=adamw, **kw):
     from pipeoptim.train import Pipeline
     sched, policy, D, N, dp, opts = case

@@ -6,7 +6,6 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("sklearn")
 
@@ -26,14 +25,6 @@ def restore_policy_registry():
     yield
     POLICIES.clear()
     POLICIES.update(before)
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_s_rules():

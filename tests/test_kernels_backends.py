@@ -1,4 +1,8 @@
 """Backend selection, the compiled extension's build, and the ops under torch.compile."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -79,8 +83,6 @@ def test_predict_op_under_torch_compile(op, gen):
 
 def test_streaming_stores_path_is_exact(tmp_path):
     """PIPEOPTIM_CPU_STREAM=1 (opt-in non-temporal stores) must give the same bits as ordinary stores."""
-    import subprocess
-    import sys
     script = tmp_path / "stream.py"
     script.write_text(
         "import torch, pipeoptim_kernels as pk\n"
@@ -94,22 +96,19 @@ def test_streaming_stores_path_is_exact(tmp_path):
         "    pk.predict('adam', w, st, grp, step=3, s=2, out=out, backend='cpu'); outs.append(out.clone())\n"
         "    o2 = torch.empty(n, dtype=dtype); w2 = w.clone(); s2 = {k: v.clone() for k, v in st.items()}\n"
         "    pk.step_predict('adam', w2, st['exp_avg'], s2, grp, step=3, s=2, out=o2, backend='cpu'); outs += [o2, w2]\n"
-        "torch.save(outs, __import__('sys').argv[1])\n")
+        "import sys; torch.save(outs, sys.argv[1])\n")
     results = []
     for flag in ("0", "1"):
         path = tmp_path / f"out{flag}.pt"
-        env = {**__import__("os").environ, "PIPEOPTIM_CPU_STREAM": flag}
+        env = {**os.environ, "PIPEOPTIM_CPU_STREAM": flag}
         subprocess.run([sys.executable, str(script), str(path)], check=True, env=env, timeout=120)
         results.append(torch.load(path))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
 
-def _run_without_extension(tmp_path, code: str, env_extra: dict) -> "subprocess.CompletedProcess":
+def _run_without_extension(tmp_path, code: str, env_extra: dict) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter where importing pipeoptim_kernels._C fails."""
-    import os
-    import subprocess
-    import sys
     blocker = tmp_path / "sitecustomize.py"
     blocker.write_text(
         "import sys\n"

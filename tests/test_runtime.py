@@ -18,14 +18,6 @@ from pipeoptim.schedules.actions import Chunk, Forward
 from pipeoptim.schedules.staleness import version_difference
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---- plan -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,D,N", [("async-1f1b", 4, 8), ("2bw", 4, 8), ("1f1b", 4, 4), ("bitpipe", 4, 8)])
 def test_plan_s_matches_schedules_staleness(name, D, N):
@@ -59,30 +51,12 @@ def test_plan_spectrain_backward_lookahead_is_half_the_depth():
 
 
 # ---- emulator against plain training --------------------------------------------------------------------
-def _reference(N: int, steps: int = rc.STEPS):
-    model = nn.Sequential(*gpt_layers(rc.CFG, seed=1))
-    opt = rc.sgd(model.parameters())
-    norms = []
-    for i in range(steps):
-        x, y = rc.batch(i)
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(N), y.chunk(N)):
-            (lm_loss(model(xm), ym) / N).backward()
-        norms.append(float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))))
-        opt.step()
-    names = {}
-    for i, layer in enumerate(model):
-        for n, p in layer.named_parameters():
-            names[f"{i}.{n}"] = p.detach()
-    return names, norms
-
-
 @pytest.mark.parametrize("case", rc.SYNC_CASES[:5], ids=lambda c: c[0])
 def test_emulated_synchronous_schedules_match_single_process_training(case, one_thread):
     # SGD: Adam's m/sqrt(v) would amplify rounding noise in gradients that are exactly zero in theory (the
     # attention key bias), so parity is checked where rounding stays rounding
     got = rc.train(rc.make_pipeline(case, emulate=True, optimizer=rc.sgd))
-    ref, norms = _reference(case[3])
+    ref, norms = rc.single_process_reference(gpt_layers(rc.CFG, seed=1), case[3])
     assert set(got["params"]) == set(ref)
     for name, value in ref.items():
         torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6, msg=name)

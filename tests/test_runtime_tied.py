@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import runtime_cases as rc
 from pipeoptim.models import gpt_layers
@@ -16,24 +15,10 @@ from pipeoptim.train import Pipeline
 TIE = ("0.tok.weight", "7.lm.weight")  # rc.CFG: embedding, 6 blocks, head
 
 
-def _shared_reference(N: int, steps: int = rc.STEPS):
+def _shared_reference(N: int):
     layers = gpt_layers(rc.CFG, seed=1)
     layers[7].lm.weight = layers[0].tok.weight  # one Parameter, as a single-process model ties them
-    model = nn.Sequential(*layers)
-    opt = rc.sgd(model.parameters())
-    norms = []
-    for i in range(steps):
-        x, y = rc.batch(i)
-        opt.zero_grad()
-        for xm, ym in zip(x.chunk(N), y.chunk(N)):
-            (lm_loss(model(xm), ym) / N).backward()
-        norms.append(float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))))
-        opt.step()
-    params = {}
-    for i, layer in enumerate(model):
-        for n, p in layer.named_parameters(remove_duplicate=False):
-            params[f"{i}.{n}"] = p.detach().clone()
-    return params, norms
+    return rc.single_process_reference(layers, N)
 
 
 def _tied_pipeline(schedule: str, D: int, N: int, emulate: bool = True):
@@ -75,15 +60,8 @@ def test_tied_copies_start_from_the_first_name():
     assert torch.equal(params[TIE[0]], gpt_layers(rc.CFG, seed=1)[0].tok.weight)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the ranks run one thread each; the emulator must add in the same order
-    yield
-    torch.set_num_threads(n)
-
-
 def test_distributed_tied_embeddings_equal_the_emulator(one_thread):
+    # one_thread: the ranks run one thread each; the emulator must add in the same order
     cases = [("1f1b", 2, 2), ("bitpipe", 2, 2)]
     results = launch(run_tied_cases, 2, cases, timeout_s=90)
     for i, (s, D, N) in enumerate(cases):
