@@ -13,6 +13,8 @@ TORCH_LIBRARY(pipeoptim, m) {
 namespace pipeoptim {
 namespace cpu {
 const char* selected_isa();
+int set_stream_mode(int mode);
+int64_t stream_threshold_bytes();
 }
 }  // namespace pipeoptim
 
@@ -23,5 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  m.def("set_cpu_stream", &pipeoptim::cpu::set_stream_mode,
+        "streaming stores for separate outputs on the CPU: -1 auto, 0 off, 1 on; returns the previous mode");
+  m.def("cpu_stream_threshold_bytes", &pipeoptim::cpu::stream_threshold_bytes,
+        "output size from which the CPU kernels stream in auto mode (the last-level cache)");
   m.def("cpu_isa", &pipeoptim::cpu::selected_isa, "the instruction set the CPU loops run with");
 }

@@ -8,6 +8,11 @@
 // so this header holds only that form and the two optimizer steps that must match torch.optim's
 // arithmetic (Adam/AdamW and SGD). It includes nothing, so the CPU loops can compile it under several
 // instruction-set targets without touching torch's inline functions.
+//
+// Every function is a template over the value type T: float for the CUDA kernels and the plain CPU
+// loops, a GCC vector of floats for the CPU loops that write with streaming stores (cpu/loops.h).
+// The maths is element-wise and the same for both; Sqrt<T> is the one operation a vector type needs
+// spelled out.
 #pragma once
 
 #if defined(__CUDACC__)
@@ -21,6 +26,14 @@
 namespace pipeoptim {
 
 enum Den : int { DEN_NONE = 0, DEN_SQRT = 1, DEN_LINEAR = 2 };
+
+// Correctly rounded square root of each element; cpu/loops.h specialises it for its vector types.
+template <class T>
+struct Sqrt;
+template <>
+struct Sqrt<float> {
+  PO_HD static float of(float x) { return PO_SQRT(x); }
+};
 
 // Order matches the `coeffs` list built in pipeoptim_kernels/compiled.py.
 struct PredictCoeffs {
@@ -36,14 +49,14 @@ struct SgdStepCoeffs {
 };
 
 // HasM/HasG/HasVC say which optional buffers exist; absent ones are never read.
-template <bool HasM, bool HasG, int DenKind, bool HasVC>
-PO_HD float predict_one(const PredictCoeffs& c, float w, float m, float g, float v, float vc) {
-  float num = c.cw * w;
+template <bool HasM, bool HasG, int DenKind, bool HasVC, class T = float>
+PO_HD T predict_one(const PredictCoeffs& c, T w, T m, T g, T v, T vc) {
+  T num = c.cw * w;
   if (HasM) num += c.cm * m;
   if (HasG) num += c.cg * g;
   if (DenKind == DEN_SQRT) {
-    float var = HasVC ? v - vc * vc : v;
-    num = num / (c.dscale * PO_SQRT(var) + c.eps);
+    T var = HasVC ? v - vc * vc : v;
+    num = num / (c.dscale * Sqrt<T>::of(var) + c.eps);
   } else if (DenKind == DEN_LINEAR) {
     num = num / v;
   }
@@ -51,40 +64,41 @@ PO_HD float predict_one(const PredictCoeffs& c, float w, float m, float g, float
 }
 
 // torch's lerp: two formulas so that weight 0 and 1 are exact.
-PO_HD float lerp(float self, float end, float weight) {
+template <class T>
+PO_HD T lerp(T self, T end, float weight) {
   return weight < 0.5f ? self + weight * (end - self) : end - (end - self) * (1.0f - weight);
 }
 
 // One Adam/AdamW step as torch.optim takes it, then the prediction from the new state.
 // Returns w_hat; updates w, m, v (and vmax when Amsgrad) through the references.
-template <bool Amsgrad>
-PO_HD float adam_step_predict_one(const AdamStepCoeffs& c, float& w, float grad, float& m, float& v, float& vmax) {
-  float g = c.sign * grad + c.wd_coupled * w;
+template <bool Amsgrad, class T = float>
+PO_HD T adam_step_predict_one(const AdamStepCoeffs& c, T& w, T grad, T& m, T& v, T& vmax) {
+  T g = c.sign * grad + c.wd_coupled * w;
   w = w * c.decay;
   m = lerp(m, g, 1.0f - c.beta1);
   v = v * c.beta2 + (1.0f - c.beta2) * (g * g);
-  float vhat = v;
+  T vhat = v;
   if (Amsgrad) {
     vmax = vmax > v ? vmax : v;
     vhat = vmax;
   }
-  float denom = PO_SQRT(vhat) / c.bc2_sqrt + c.eps;
-  float dir = m / denom;
+  T denom = Sqrt<T>::of(vhat) / c.bc2_sqrt + c.eps;
+  T dir = m / denom;
   w = w - c.step_size * dir;
   return w - c.pred_scale * dir - c.pred_lam * w;
 }
 
 // One SGD step (momentum, dampening, nesterov, weight decay, maximize), then the prediction.
-template <bool HasMomentum, bool Nesterov, bool First>
-PO_HD float sgd_step_predict_one(const SgdStepCoeffs& c, float& w, float grad, float& buf) {
-  float d = c.sign * grad + c.wd * w;
-  float update = d;
+template <bool HasMomentum, bool Nesterov, bool First, class T = float>
+PO_HD T sgd_step_predict_one(const SgdStepCoeffs& c, T& w, T grad, T& buf) {
+  T d = c.sign * grad + c.wd * w;
+  T update = d;
   if (HasMomentum) {
     buf = First ? d : buf * c.momentum + (1.0f - c.dampening) * d;
     update = Nesterov ? d + c.momentum * buf : buf;
   }
   w = w - c.lr * update;
-  float dir;
+  T dir;
   if (HasMomentum && !Nesterov) {
     dir = buf;
   } else {

@@ -17,7 +17,10 @@ CUDA_SOURCES = ["cuda/ops_cuda.cu"]
 
 # The C++ standard is torch's own choice (C++20 from torch 2.13, C++17 before).
 # -fno-math-errno lets the compiler vectorise sqrt; no -ffast-math: the maths stays IEEE fp32.
-CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+# -ffp-contract=off: no fused multiply-adds the source does not write, so every CPU loop (each
+# instruction set, ordinary or streaming stores) rounds the same way and gives the same bits.
+# -Wno-psabi: the loops pass vectors only to always-inlined functions, never across a call ABI.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi"]
 LINK_FLAGS = ["-fopenmp"]
 CUDA_ARCHS = ("80", "90")
 NVCC_FLAGS = ["-O3", "-DPIPEOPTIM_WITH_CUDA"] + [

@@ -22,3 +22,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def backend(request):
+    """The pipeoptim_kernels backend for a test parametrized indirectly over kernel_reference.CPU_BACKEND_IDS:
+    the id itself, except "cpu-stream", which runs "cpu" with streaming stores forced on."""
+    name = request.param
+    if name != "cpu-stream":
+        yield name
+        return
+    from pipeoptim_kernels import _C
+
+    previous = _C.set_cpu_stream(1)
+    try:
+        yield "cpu"
+    finally:
+        _C.set_cpu_stream(previous)

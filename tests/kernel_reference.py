@@ -10,6 +10,15 @@ import math
 
 import torch
 
+import pipeoptim_kernels as pk
+
+# Test ids of the CPU backends (conftest's `backend` fixture turns an id into a backend). "cpu-stream"
+# is the cpu backend with streaming stores forced on: the path it takes by default only for buffers
+# larger than the last-level cache, too large for most tests.
+CPU_BACKEND_IDS = [b for b in ("eager", "triton", "cpu") if b in pk.available_backends()]
+if "cpu" in CPU_BACKEND_IDS:
+    CPU_BACKEND_IDS.append("cpu-stream")
+
 # (rule, torch.optim class, hyperparameters) — the configurations every backend is tested on.
 CONFIGS = [
     ("sgd", "SGD", dict(lr=0.1, momentum=0.0)),
@@ -177,7 +186,6 @@ def to_device(state: dict, device, dtype=torch.float32) -> dict:
 
 def check_predict(cfg, backend: str, device: str, gen: torch.Generator, sizes=(1, 7, 4097)) -> None:
     """predict into poisoned buffers of every output dtype matches the float64 reference; w untouched."""
-    import pipeoptim_kernels as pk
 
     rule, cls, hp = cfg
     for n in sizes:

@@ -81,30 +81,75 @@ def test_predict_op_under_torch_compile(op, gen):
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
 
 
-def test_streaming_stores_path_is_exact(tmp_path):
-    """PIPEOPTIM_CPU_STREAM=1 (opt-in non-temporal stores) must give the same bits as ordinary stores."""
-    script = tmp_path / "stream.py"
-    script.write_text(
-        "import torch, pipeoptim_kernels as pk\n"
-        "g = torch.Generator().manual_seed(0)\n"
-        "n = 3 * 2048 + 5\n"
-        "w = torch.randn(n, generator=g); st = {'exp_avg': torch.randn(n, generator=g), 'exp_avg_sq': torch.rand(n, generator=g)}\n"
-        "grp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)\n"
-        "outs = []\n"
-        "for dtype in (torch.float32, torch.bfloat16):\n"
-        "    out = torch.empty(n + 1, dtype=dtype)[1:]\n"  # misaligned start: exercises the head copy
-        "    pk.predict('adam', w, st, grp, step=3, s=2, out=out, backend='cpu'); outs.append(out.clone())\n"
-        "    o2 = torch.empty(n, dtype=dtype); w2 = w.clone(); s2 = {k: v.clone() for k, v in st.items()}\n"
-        "    pk.step_predict('adam', w2, st['exp_avg'], s2, grp, step=3, s=2, out=o2, backend='cpu'); outs += [o2, w2]\n"
-        "import sys; torch.save(outs, sys.argv[1])\n")
-    results = []
-    for flag in ("0", "1"):
-        path = tmp_path / f"out{flag}.pt"
-        env = {**os.environ, "PIPEOPTIM_CPU_STREAM": flag}
-        subprocess.run([sys.executable, str(script), str(path)], check=True, env=env, timeout=120)
-        results.append(torch.load(path))
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+def _with_stream_mode(mode, fn):
+    module = compiled.load()
+    previous = module.set_cpu_stream(mode)
+    try:
+        return fn()
+    finally:
+        module.set_cpu_stream(previous)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 5, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_streaming_stores_give_the_same_bits_as_ordinary_stores(dtype, offset, gen):
+    """Every loop the cpu backend streams (predict for each denominator, Adam and SGD step+predict), with the
+    output starting off its vector alignment (head and tail run element by element): the same bits as with
+    ordinary stores, and the same stepped state."""
+    n = 3 * 1024 + 7
+    w = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen)
+    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    cases = [
+        lambda out: pk.predict("adam", w, {"exp_avg": m, "exp_avg_sq": v}, GROUP, step=3, s=2, out=out, backend="cpu"),
+        lambda out: pk.predict("rmsprop", w, {"square_avg": v, "grad_avg": 0.1 * m, "momentum_buffer": m},
+                               dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.9, centered=True,
+                                    maximize=False), step=3, s=2, out=out, backend="cpu"),
+        lambda out: pk.predict("sgd", w, {"momentum_buffer": m}, dict(lr=0.1, momentum=0.9, dampening=0.0,
+                               weight_decay=0.0, nesterov=False, maximize=False), step=3, s=2, out=out, backend="cpu"),
+        lambda out: pk.predict("adagrad", w, {"sum": v, "grad": g}, dict(lr=1e-2, lr_decay=0.0, eps=1e-10,
+                               weight_decay=0.0, maximize=False), step=3, s=2, out=out, backend="cpu"),
+    ]
+    for case in cases:
+        outs = []
+        for mode in (0, 1):
+            out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
+            _with_stream_mode(mode, lambda: case(out))
+            outs.append(out)
+        assert not outs[0].isnan().any()
+        assert torch.equal(outs[0], outs[1])
+    for rule, group in [("adam", {**GROUP, "amsgrad": True}), ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.0,
+                        weight_decay=0.01, nesterov=True, maximize=False))]:
+        results = []
+        for mode in (0, 1):
+            names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if rule == "adam" else ("momentum_buffer",)
+            state = {k: (v if k == "exp_avg_sq" else m).clone() for k, v in zip(names, (m, v, v))}
+            w_step = w.clone()
+            out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
+            _with_stream_mode(mode, lambda: pk.step_predict(rule, w_step, g, state, group, step=3, s=2, out=out,
+                                                            backend="cpu"))
+            results.append([out, w_step, *state.values()])
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("flag, mode", [(None, -1), ("", -1), ("0", 0), ("1", 1)])
+def test_stream_mode_from_the_environment(flag, mode):
+    """PIPEOPTIM_CPU_STREAM: unset means auto (-1), 0 off, 1 on."""
+    env = {k: v for k, v in os.environ.items() if k != "PIPEOPTIM_CPU_STREAM"}
+    if flag is not None:
+        env["PIPEOPTIM_CPU_STREAM"] = flag
+    code = "from pipeoptim_kernels import compiled; print(compiled.load().set_cpu_stream(0))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == str(mode)
+
+
+def test_stream_mode_rejects_unknown_modes_and_auto_uses_the_cache_size():
+    module = compiled.load()
+    with pytest.raises(RuntimeError, match="mode must be -1"):
+        module.set_cpu_stream(2)
+    assert module.cpu_stream_threshold_bytes() >= 1 << 20
 
 
 def _run_without_extension(tmp_path, code: str, env_extra: dict) -> subprocess.CompletedProcess:

@@ -3,10 +3,8 @@ import pytest
 import torch
 
 import pipeoptim_kernels as pk
-from kernel_reference import (CONFIGS, OUT_DTYPES, STEPS, assert_close_to_reference, check_predict, config_id,
-                              optimizer_state, reference_predict)
-
-CPU_BACKENDS = [b for b in ("eager", "triton", "cpu") if b in pk.available_backends()]
+from kernel_reference import (CONFIGS, CPU_BACKEND_IDS, OUT_DTYPES, STEPS, assert_close_to_reference, check_predict,
+                              config_id, optimizer_state, reference_predict)
 
 
 def _state32(state):
@@ -33,13 +31,13 @@ def test_reference_reproduces_torch_optim_step(gen):
                                        msg=lambda m: f"{rule} {hp} step {step}: {m}")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
 def test_predict_matches_reference(cfg, backend, gen):
     check_predict(cfg, backend, "cpu", gen)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 @pytest.mark.parametrize("rule", pk.BUILTIN_RULES)
 def test_predict_in_place_large(rule, backend, gen):
     """About a million elements (odd size, so vector tails run), written in place into w."""
@@ -55,7 +53,7 @@ def test_predict_in_place_large(rule, backend, gen):
     assert_close_to_reference(w, ref, term, msg=f"{backend} {rule} in place seed={gen.initial_seed()}")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 @pytest.mark.parametrize("rule", ["sgd", "adam", "adamw"])
 def test_paper_mode(rule, backend, gen):
     hp = {"sgd": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
@@ -71,7 +69,7 @@ def test_paper_mode(rule, backend, gen):
     assert_close_to_reference(out, ref, term, msg=f"paper {backend} {rule} seed={gen.initial_seed()}")
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 def test_no_prediction_when_s_or_step_is_zero(backend, gen):
     _, w64, _, state64, group = optimizer_state("Adam", dict(lr=1e-2), 1000, 3, gen)
     w, state = w64.float(), _state32(state64)

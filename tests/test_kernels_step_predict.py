@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import pipeoptim_kernels as pk
-from kernel_reference import assert_close_to_reference, reference_predict
+from kernel_reference import CPU_BACKEND_IDS, assert_close_to_reference, reference_predict
 
-CPU_BACKENDS = [b for b in ("eager", "triton", "cpu") if b in pk.available_backends()]
 
 STEP_CONFIGS = [
     ("sgd", "SGD", dict(lr=0.05)),
@@ -47,7 +46,7 @@ def _flat_state(opt, p, rule, n):
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 @pytest.mark.parametrize("cfg", STEP_CONFIGS, ids=_ids)
 def test_step_matches_torch_optim(cfg, backend, foreach, gen):
     rule, cls, hp = cfg
@@ -77,7 +76,7 @@ def test_step_matches_torch_optim(cfg, backend, foreach, gen):
         w, state = p.detach().clone(), {k: opt.state[p][k].detach().clone() for k in state}
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
 def test_step_predict_large_odd_size(backend, gen):
     n = (1 << 20) + 3
     p = torch.nn.Parameter(torch.randn(n, generator=gen))

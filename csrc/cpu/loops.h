@@ -2,7 +2,8 @@
 // (loops_avx512.cpp, loops_avx2.cpp, loops_generic.cpp) compiles them on its own without changing
 // the code of any inline function it shares with other files. Threads split the buffer in
 // ops_cpu.cpp; these loops are what the compiler vectorises (no aliasing between the state buffers,
-// plain element-wise bodies, sqrt without errno).
+// plain element-wise bodies, sqrt without errno). A target file defines PIPEOPTIM_VEC_BYTES, its
+// vector width (0: no vectors, so no streaming stores).
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -10,6 +11,21 @@
 #include "../rules.h"
 
 namespace pipeoptim {
+
+#if PIPEOPTIM_VEC_BYTES > 0
+// rules.h's square root for this target's vector of floats (see vfloat below). The zero-masked
+// AVX-512 forms are the same instructions; the plain ones trip a false uninitialised warning in GCC 12.
+typedef float cpu_vfloat __attribute__((vector_size(PIPEOPTIM_VEC_BYTES)));
+template <>
+struct Sqrt<cpu_vfloat> {
+#if PIPEOPTIM_VEC_BYTES == 64
+  static cpu_vfloat of(cpu_vfloat x) { return reinterpret_cast<cpu_vfloat>(_mm512_maskz_sqrt_ps(0xFFFF, reinterpret_cast<__m512>(x))); }
+#else
+  static cpu_vfloat of(cpu_vfloat x) { return reinterpret_cast<cpu_vfloat>(_mm256_sqrt_ps(reinterpret_cast<__m256>(x))); }
+#endif
+};
+#endif
+
 namespace cpu {
 
 enum OutKind : int { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
@@ -36,87 +52,97 @@ PO_HD void store(void* out, int64_t i, float x) {
 template <int Out>
 constexpr int out_size() { return Out == OUT_F32 ? 4 : 2; }
 
-// Non-temporal copy of a small, cache-hot block to its final place. A separate output buffer written
-// with ordinary stores is first read into cache (read-for-ownership): 4 extra bytes per fp32 element,
-// a quarter of Adam's minimal traffic. Streaming stores skip that read; whether that wins depends on
-// the processor (ops_cpu.cpp says what was measured and how to turn it on).
-inline void stream_store(void* dst, const void* src, int64_t bytes) {
-  char* d = static_cast<char*>(dst);
-  const char* s = static_cast<const char*>(src);
-#if PIPEOPTIM_STREAM_WIDTH > 0
-  constexpr int64_t W = PIPEOPTIM_STREAM_WIDTH;
-  const int64_t head = ((W - int64_t(reinterpret_cast<uintptr_t>(d) % W)) % W);
-  if (head >= bytes) {
-    __builtin_memcpy(d, s, bytes);
-    return;
-  }
-  __builtin_memcpy(d, s, head);
-  d += head, s += head, bytes -= head;
-  for (; bytes >= W; bytes -= W, d += W, s += W) {
-#if PIPEOPTIM_STREAM_WIDTH == 64
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#if PIPEOPTIM_VEC_BYTES > 0
+// Streaming (non-temporal) stores. A separate output buffer written with ordinary stores is first
+// read into the cache (read-for-ownership): 4 bytes per fp32 element that the kernel never uses, a
+// quarter of Adam's 16-byte prediction. Streaming stores write whole lines without that read. They
+// need whole vectors, so the loops below compute on vectors of the target's width (rules.h's
+// templates, instantiated for vfloat) and store each with one instruction.
+typedef float vfloat __attribute__((vector_size(PIPEOPTIM_VEC_BYTES)));
+typedef uint32_t vbits __attribute__((vector_size(PIPEOPTIM_VEC_BYTES)));
+typedef uint16_t vhalfbits __attribute__((vector_size(PIPEOPTIM_VEC_BYTES / 2)));
+constexpr int64_t kLanes = PIPEOPTIM_VEC_BYTES / 4;
+
+inline vfloat load_vec(const float* p) {
+  vfloat x;
+  __builtin_memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store_vec(float* p, vfloat x) { __builtin_memcpy(p, &x, sizeof x); }
+
+// The same bits as to_bf16, lane by lane.
+inline vhalfbits to_bf16_vec(vfloat x) {
+  const vbits u = reinterpret_cast<vbits>(x);
+  const vbits rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const vbits quiet_nan = vbits{} + 0x7FC0u;
+  return __builtin_convertvector((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded, vhalfbits);
+}
+
+// One aligned streaming store of a vector of results, converted to the output type.
+template <int Out>
+inline void stream_vec(void* p, vfloat x) {
+#if PIPEOPTIM_VEC_BYTES == 64
+  if (Out == OUT_F32) _mm512_stream_ps(static_cast<float*>(p), reinterpret_cast<__m512>(x));
+  else if (Out == OUT_BF16) _mm256_stream_si256(static_cast<__m256i*>(p), reinterpret_cast<__m256i>(to_bf16_vec(x)));
+  else _mm256_stream_si256(static_cast<__m256i*>(p), _mm512_maskz_cvtps_ph(0xFFFF, reinterpret_cast<__m512>(x), _MM_FROUND_TO_NEAREST_INT));
 #else
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-#endif
-  }
-#endif
-  __builtin_memcpy(d, s, bytes);
-}
-
-inline void stream_fence() {
-#if PIPEOPTIM_STREAM_WIDTH > 0
-  _mm_sfence();
+  if (Out == OUT_F32) _mm256_stream_ps(static_cast<float*>(p), reinterpret_cast<__m256>(x));
+  else if (Out == OUT_BF16) _mm_stream_si128(static_cast<__m128i*>(p), reinterpret_cast<__m128i>(to_bf16_vec(x)));
+  else _mm_stream_si128(static_cast<__m128i*>(p), _mm256_cvtps_ph(reinterpret_cast<__m256>(x), _MM_FROUND_TO_NEAREST_INT));
 #endif
 }
 
-// Elements per block when streaming: the block lives in L1 between the maths and the store.
-constexpr int64_t kStreamBlock = 2048;
-
-// Runs body(begin, len, block_out) over blocks, streaming each block to out + begin.
-template <int Out, class Body>
-void streamed(int64_t n, void* out, Body&& body) {
-  alignas(64) unsigned char block[kStreamBlock * 4];
-  for (int64_t b = 0; b < n; b += kStreamBlock) {
-    const int64_t len = n - b < kStreamBlock ? n - b : kStreamBlock;
-    body(b, len, static_cast<void*>(block));
-    stream_store(static_cast<char*>(out) + b * out_size<Out>(), block, len * out_size<Out>());
-  }
-  stream_fence();
+// Element i through one(i) (ordinary store) until out is aligned for a vector store, then kLanes
+// elements at a time through vec(i), streamed, then the tail through one(i) again.
+template <int Out, class One, class Vec>
+void streamed(int64_t n, void* out, One&& one, Vec&& vec) {
+  constexpr int64_t kAlign = kLanes * out_size<Out>();
+  char* o = static_cast<char*>(out);
+  int64_t i = 0;
+  while (i < n && reinterpret_cast<uintptr_t>(o + i * out_size<Out>()) % kAlign != 0) one(i++);
+  for (; i + kLanes <= n; i += kLanes) stream_vec<Out>(o + i * out_size<Out>(), vec(i));
+  for (; i < n; ++i) one(i);
+  _mm_sfence();  // streaming stores are weakly ordered: make them visible before the op returns
 }
+#endif
 
-// InPlace writes through w itself, so the compiler sees a same-index read and write instead of a
-// possible overlap that would send it to its scalar fallback.
+// Each loop writes its output with ordinary stores (the compiler vectorises the scalar body) or, when
+// `stream` is set and the target has vectors, with streaming stores. InPlace writes through w itself,
+// so the compiler sees a same-index read and write instead of a possible overlap that would send it
+// to its scalar fallback; in place there is no separate line to skip reading, so it never streams.
 template <bool HasM, bool HasG, int DenKind, bool HasVC, int Out, bool InPlace>
 void predict_loop(int64_t n, const float* w, const float* m, const float* g, const float* v,
                   const float* vc, void* out, const PredictCoeffs& c, bool stream) {
+  const PredictCoeffs k = c;
+  auto one = [&](int64_t i) {
+    return predict_one<HasM, HasG, DenKind, HasVC>(k, w[i], HasM ? m[i] : 0.f, HasG ? g[i] : 0.f,
+                                                   DenKind ? v[i] : 0.f, HasVC ? vc[i] : 0.f);
+  };
+#if PIPEOPTIM_VEC_BYTES > 0
   if (!InPlace && stream) {
-    streamed<Out>(n, out, [&](int64_t b, int64_t len, void* block) {
-      predict_loop<HasM, HasG, DenKind, HasVC, Out, false>(len, w + b, HasM ? m + b : m, HasG ? g + b : g,
-                                                          DenKind ? v + b : v, HasVC ? vc + b : vc, block, c, false);
+    const vfloat zero{};
+    streamed<Out>(n, out, [&](int64_t i) { store<Out>(out, i, one(i)); }, [&](int64_t i) {
+      return predict_one<HasM, HasG, DenKind, HasVC, vfloat>(
+          k, load_vec(w + i), HasM ? load_vec(m + i) : zero, HasG ? load_vec(g + i) : zero,
+          DenKind ? load_vec(v + i) : zero, HasVC ? load_vec(vc + i) : zero);
     });
     return;
   }
-  const PredictCoeffs k = c;
+#endif
+  (void)stream;
   float* w_out = const_cast<float*>(w);
   for (int64_t i = 0; i < n; ++i) {
-    float r = predict_one<HasM, HasG, DenKind, HasVC>(k, w[i], HasM ? m[i] : 0.f, HasG ? g[i] : 0.f,
-                                                      DenKind ? v[i] : 0.f, HasVC ? vc[i] : 0.f);
-    if (InPlace) w_out[i] = r;
-    else store<Out>(out, i, r);
+    if (InPlace) w_out[i] = one(i);
+    else store<Out>(out, i, one(i));
   }
 }
 
 template <bool Amsgrad, int Out>
 void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* vmax, void* out,
                const AdamStepCoeffs& c, bool stream) {
-  if (stream) {
-    streamed<Out>(n, out, [&](int64_t b, int64_t len, void* block) {
-      adam_loop<Amsgrad, Out>(len, w + b, g + b, m + b, v + b, Amsgrad ? vmax + b : vmax, block, c, false);
-    });
-    return;
-  }
   const AdamStepCoeffs k = c;
-  for (int64_t i = 0; i < n; ++i) {
+  auto one = [&](int64_t i) {
     float wi = w[i], mi = m[i], vi = v[i], vmi = Amsgrad ? vmax[i] : 0.f;
     float r = adam_step_predict_one<Amsgrad>(k, wi, g[i], mi, vi, vmi);
     w[i] = wi;
@@ -124,25 +150,50 @@ void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* v
     v[i] = vi;
     if (Amsgrad) vmax[i] = vmi;
     store<Out>(out, i, r);
+  };
+#if PIPEOPTIM_VEC_BYTES > 0
+  if (stream) {
+    streamed<Out>(n, out, one, [&](int64_t i) {
+      vfloat wi = load_vec(w + i), mi = load_vec(m + i), vi = load_vec(v + i);
+      vfloat vmi = Amsgrad ? load_vec(vmax + i) : vfloat{};
+      vfloat r = adam_step_predict_one<Amsgrad, vfloat>(k, wi, load_vec(g + i), mi, vi, vmi);
+      store_vec(w + i, wi);
+      store_vec(m + i, mi);
+      store_vec(v + i, vi);
+      if (Amsgrad) store_vec(vmax + i, vmi);
+      return r;
+    });
+    return;
   }
+#endif
+  (void)stream;
+  for (int64_t i = 0; i < n; ++i) one(i);
 }
 
 template <bool HasMomentum, bool Nesterov, bool First, int Out>
 void sgd_loop(int64_t n, float* w, const float* g, float* buf, void* out, const SgdStepCoeffs& c, bool stream) {
-  if (stream) {
-    streamed<Out>(n, out, [&](int64_t b, int64_t len, void* block) {
-      sgd_loop<HasMomentum, Nesterov, First, Out>(len, w + b, g + b, HasMomentum ? buf + b : buf, block, c, false);
-    });
-    return;
-  }
   const SgdStepCoeffs k = c;
-  for (int64_t i = 0; i < n; ++i) {
+  auto one = [&](int64_t i) {
     float wi = w[i], bi = HasMomentum ? buf[i] : 0.f;
     float r = sgd_step_predict_one<HasMomentum, Nesterov, First>(k, wi, g[i], bi);
     w[i] = wi;
     if (HasMomentum) buf[i] = bi;
     store<Out>(out, i, r);
+  };
+#if PIPEOPTIM_VEC_BYTES > 0
+  if (stream) {
+    streamed<Out>(n, out, one, [&](int64_t i) {
+      vfloat wi = load_vec(w + i), bi = HasMomentum ? load_vec(buf + i) : vfloat{};
+      vfloat r = sgd_step_predict_one<HasMomentum, Nesterov, First, vfloat>(k, wi, load_vec(g + i), bi);
+      store_vec(w + i, wi);
+      if (HasMomentum) store_vec(buf + i, bi);
+      return r;
+    });
+    return;
   }
+#endif
+  (void)stream;
+  for (int64_t i = 0; i < n; ++i) one(i);
 }
 
 // Compile-time dispatch of run-time flags: f(std::integral_constant<...>) for each value.

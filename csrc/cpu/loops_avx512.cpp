@@ -4,9 +4,9 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
-#define PIPEOPTIM_STREAM_WIDTH 64
+#define PIPEOPTIM_VEC_BYTES 64
 #else
-#define PIPEOPTIM_STREAM_WIDTH 0
+#define PIPEOPTIM_VEC_BYTES 0
 #endif
 
 #include "entry_points.h"

@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#define PIPEOPTIM_STREAM_WIDTH 0
+#define PIPEOPTIM_VEC_BYTES 0
 
 #include "entry_points.h"
 

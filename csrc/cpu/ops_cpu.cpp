@@ -1,7 +1,11 @@
 // CPU implementations of the pipeoptim ops: split the flat buffer across ATen's threads and run the
 // loops compiled for the best instruction set this processor has.
 #include <ATen/Parallel.h>
+#include <atomic>
 #include <cstdlib>
+#include <fstream>
+#include <string>
+#include <unistd.h>
 
 #include "../ops.h"
 #include "entry_points.h"
@@ -37,17 +41,60 @@ const Isa& isa() {
   return chosen;
 }
 
-// Streaming (non-temporal) stores for a separate output buffer skip its read-for-ownership (4 of
-// Adam's 20 bytes per element), but on the AMD EPYC virtual machines this was built on they measured
-// slower than ordinary stores (64M fp32: 38 ms against 30 ms), so they are opt-in:
-// PIPEOPTIM_CPU_STREAM=1. Only buffers well past the last-level cache can gain from them.
-bool should_stream() {
-  static const bool on = [] {
+// Streaming stores for a separate output (loops.h says why) pay off only when the op's buffers do not
+// fit in the cache together: otherwise the output lines may still be cached when they are read next
+// (by the forward pass that reads ŵ), and streaming would push them out. So by default they are used
+// when all the bytes the op touches reach the last-level cache's size. PIPEOPTIM_CPU_STREAM=1 forces
+// them on, =0 off; set_stream_mode() changes the mode at run time (the benchmark compares both in
+// one process).
+constexpr int kStreamAuto = -1, kStreamOff = 0, kStreamOn = 1, kStreamUnset = -2;
+std::atomic<int> g_stream_mode{kStreamUnset};
+
+int stream_mode() {
+  int mode = g_stream_mode.load(std::memory_order_relaxed);
+  if (mode == kStreamUnset) {
     const char* env = std::getenv("PIPEOPTIM_CPU_STREAM");
-    return env != nullptr && env[0] == '1';
-  }();
-  return on;
+    mode = env == nullptr || env[0] == '\0' ? kStreamAuto : env[0] == '1' ? kStreamOn : kStreamOff;
+    g_stream_mode.store(mode, std::memory_order_relaxed);
+  }
+  return mode;
 }
+
+// Size of the largest cache of CPU 0 as the kernel reports it. sysfs first: in virtual machines
+// sysconf(_SC_LEVEL3_CACHE_SIZE) can report the whole host's cache (320 MiB for a 32 MiB slice).
+int64_t sysfs_cache_bytes() {
+  int64_t best_level = 0, best_bytes = 0;
+  for (int index = 0; index < 10; ++index) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int64_t level = 0, size = 0;
+    std::string unit;
+    if (!(level_file >> level) || !(size_file >> size)) continue;
+    size_file >> unit;
+    if (unit == "K") size <<= 10;
+    else if (unit == "M") size <<= 20;
+    if (level > best_level) best_level = level, best_bytes = size;
+  }
+  return best_bytes;
+}
+
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    const int64_t from_sysfs = sysfs_cache_bytes();
+    if (from_sysfs > 0) return from_sysfs;
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 ? int64_t(l3) : int64_t(32) << 20;
+  }();
+  return bytes;
+}
+
+// footprint: all the bytes the op reads and writes.
+bool should_stream(int64_t footprint) {
+  const int mode = stream_mode();
+  return mode == kStreamOn || (mode == kStreamAuto && footprint >= last_level_cache_bytes());
+}
+
+int64_t present(const float* p) { return p != nullptr ? 4 : 0; }
 
 template <typename T>
 T* at_offset(T* p, int64_t o) { return p ? p + o : nullptr; }
@@ -57,7 +104,7 @@ void predict_cpu(const at::Tensor& w, const std::optional<at::Tensor>& m, const 
                  int64_t den, at::ArrayRef<double> coeffs) {
   const PredictArgs a = predict_args(w, m, g, v, vc, out, den, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = !a.in_place && should_stream();
+  const bool stream = !a.in_place && should_stream(a.n * (4 + present(a.m) + present(a.g) + present(a.v) + present(a.vc) + osz));
   const auto fn = isa().predict;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     void* o = a.in_place ? static_cast<void*>(const_cast<float*>(a.w + b)) : static_cast<char*>(a.out) + b * osz;
@@ -70,7 +117,7 @@ void adam_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const at
                            const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
   const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = should_stream();
+  const bool stream = should_stream(a.n * (16 + present(a.vmax) + osz));
   const auto fn = isa().adam;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, a.m + b, a.v + b, at_offset(a.vmax, b), static_cast<char*>(a.out) + b * osz,
@@ -82,7 +129,7 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
                           const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
   const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = should_stream();
+  const bool stream = should_stream(a.n * (8 + present(a.buf) + osz));
   const auto fn = isa().sgd;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, at_offset(a.buf, b), static_cast<char*>(a.out) + b * osz, a.out_kind, nesterov,
@@ -93,6 +140,17 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
 }  // namespace
 
 const char* selected_isa() { return isa().name; }
+
+int set_stream_mode(int mode) {
+  TORCH_CHECK(mode >= kStreamAuto && mode <= kStreamOn,
+              "set_cpu_stream: mode must be -1 (auto: outputs at least the last-level cache), 0 (off) or 1 (on); got ",
+              mode);
+  const int previous = stream_mode();
+  g_stream_mode.store(mode, std::memory_order_relaxed);
+  return previous;
+}
+
+int64_t stream_threshold_bytes() { return last_level_cache_bytes(); }
 
 }  // namespace cpu
 }  // namespace pipeoptim
