@@ -12,7 +12,8 @@ torch's fused Adam step: the median of the ratios within each round).
 Bytes per element are the minimal traffic of one pass: predict reads w and the state entries the rule
 uses and writes ŵ (Adam: 4+4+4 read, 4 written = 16 B; into a separate buffer the CPU also reads the
 output lines before writing them, 4 B more that the minimal count leaves out); Adam step+predict
-reads w, g, m, v and writes w, m, v, ŵ = 32 B; torch's fused Adam step is 28 B; copy is 8 B.
+reads w, g, m, v and writes w, m, v, ŵ = 32 B (ŵ may go over the spent gradient: same count, but
+then every write lands on a line just read); torch's fused Adam step is 28 B; copy is 8 B.
 
 On the CPU, the cpu backend writes a separate output with streaming stores when the op's buffers are
 larger than the last-level cache (the auto mode users get); the "ordinary stores" rows force them off,
@@ -220,6 +221,10 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
             "adam", b.w, b.grad, st, b.group, step=step, s=s, out=b.out, backend=compiled_backend)
         if device == "cpu":
             variants["cpu step+predict ordinary stores"] = ordinary_stores(variants["cpu step+predict"])
+        # ŵ written over the gradient, which the step has finished reading (its own copy: it is consumed).
+        spent_grad = b.grad.clone()
+        variants[f"{compiled_backend} step+predict, ŵ over grad"] = lambda: pk.step_predict(
+            "adam", b.w, spent_grad, st, b.group, step=step, s=s, out=spent_grad, backend=compiled_backend)
 
         fused_state = {k: fused.state[flat][k] for k in ("exp_avg", "exp_avg_sq")}
 
@@ -227,12 +232,17 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
             fused.step()
             pk.predict("adam", flat.detach(), fused_state, b.group, step=step, s=s, out=b.out, backend=compiled_backend)
         variants["torch fused Adam step + predict"] = fused_step_then_predict
+        # A plain torch op with in-place Adam predict's memory traffic (reads w, m, v; writes w back): the
+        # floor this machine's memory sets for that access pattern, measured in the same run.
+        variants["addcmul_ (same traffic as in place)"] = lambda: b.scratch.addcmul_(
+            b.state["exp_avg"], b.state["exp_avg_sq"], value=1e-30)
     round_times = time_variants(variants, device, rounds)
     times = {k: statistics.median(v) for k, v in round_times.items()}
     nbytes = predict_bytes(plan)
     byte_table = {"copy": 8, f"{compiled_backend} in place": nbytes, "torch fused Adam step": 28,
                   f"{compiled_backend} step+predict": 32, "cpu step+predict ordinary stores": 32,
-                  "torch fused Adam step + predict": 28 + 16}
+                  f"{compiled_backend} step+predict, ŵ over grad": 32,
+                  "torch fused Adam step + predict": 28 + 16, "addcmul_ (same traffic as in place)": 16}
     copy_bw = 8 * n / times["copy"]
     rows = []
     for name, sec in times.items():
@@ -263,10 +273,15 @@ def summarize(rows: list[dict], compiled_backend: str) -> list[str]:
             ip = by[("adam", n, f"{compiled_backend} in place")]
             line += (f"  time/fused-Adam-step {r['time_vs_fused_adam']:.2f}, in place {ip['time_vs_fused_adam']:.2f}"
                      + _ordinary(by, rule, n, "cpu ordinary stores") + f" (target <= {16 / 28:.2f} on CPU)")
+            floor = by.get(("adam", n, "addcmul_ (same traffic as in place)"))
+            if floor:
+                line += (f"\n{'':17s}addcmul_ with in-place predict's traffic: {floor['time_vs_fused_adam']:.2f}x fused "
+                         f"Adam step; in-place predict {ip['ms'] / floor['ms']:.2f}x its time")
             sp = by[("adam", n, f"{compiled_backend} step+predict")]
             both = by[("adam", n, "torch fused Adam step + predict")]
             line += (f"\n{'':17s}step+predict {sp['ms']:.2f} ms = {sp['time_vs_fused_adam']:.2f}x fused Adam step"
                      + _ordinary(by, rule, n, "cpu step+predict ordinary stores")
+                     + f", ŵ over grad {by[('adam', n, f'{compiled_backend} step+predict, ŵ over grad')]['time_vs_fused_adam']:.2f}"
                      + f" (target <= 1.15 on CPU), {both['ms'] / sp['ms']:.2f}x faster than step then predict")
         lines.append(line)
     return lines

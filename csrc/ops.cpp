@@ -8,6 +8,9 @@ TORCH_LIBRARY(pipeoptim, m) {
   m.def("predict_(Tensor w, Tensor? m, Tensor? g, Tensor? v, Tensor? vc, Tensor(a!) out, int den, float[] coeffs) -> ()");
   m.def("adam_step_predict_(Tensor(a!) w, Tensor grad, Tensor(b!) m, Tensor(c!) v, Tensor(d!)? vmax, Tensor(e!) out, float[] coeffs) -> ()");
   m.def("sgd_step_predict_(Tensor(a!) w, Tensor grad, Tensor(b!)? buf, Tensor(e!) out, bool nesterov, bool first, float[] coeffs) -> ()");
+  // The same steps writing the prediction over the gradient, which the step has finished reading.
+  m.def("adam_step_predict_into_grad_(Tensor(a!) w, Tensor(e!) grad, Tensor(b!) m, Tensor(c!) v, Tensor(d!)? vmax, float[] coeffs) -> ()");
+  m.def("sgd_step_predict_into_grad_(Tensor(a!) w, Tensor(e!) grad, Tensor(b!)? buf, bool nesterov, bool first, float[] coeffs) -> ()");
 }
 
 namespace pipeoptim {

@@ -20,7 +20,7 @@ import torch
 from . import compiled, eager, rules, triton_backend
 from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, STATE_ENTRIES, STEP_PREDICT_RULES,
                     register_rule)
-from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s
+from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s, same_buffer
 
 __all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
            "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
@@ -156,7 +156,9 @@ def step_predict(rule: str, w: torch.Tensor, grad: torch.Tensor, state: Mapping[
 
     Takes step number `step + 1` exactly as torch.optim would (`step`: completed steps before this
     call; the caller keeps its own step count, e.g. torch.optim's state['step']). Rules: sgd, adam,
-    adamw. `out` must be a separate buffer; with s == 0 it receives the stepped weights. Returns `out`.
+    adamw. `out` is a separate buffer (fp32, bf16 or fp16), or `grad` itself: the step has finished
+    with the gradient, so ŵ can take its place, saving a buffer and (on the CPU) the traffic of a
+    fourth written stream. With s == 0 it receives the stepped weights. Returns `out`.
     """
     if rule not in STEP_PREDICT_RULES:
         raise ValueError(f"step_predict supports {', '.join(STEP_PREDICT_RULES)}, got {rule!r}; for other "
@@ -179,7 +181,8 @@ def step_predict(rule: str, w: torch.Tensor, grad: torch.Tensor, state: Mapping[
         plan = _plan(lambda r, *a: rules.sgd_step_plan(*a), rule, state, group, step, s)
     else:
         plan = _plan(rules.adam_step_plan, rule, state, group, step, s)
-    check_not_overlapping(out, {"w": w, "grad": grad, **plan.tensors})
+    others = {"w": w, **plan.tensors} if same_buffer(out, grad) else {"w": w, "grad": grad, **plan.tensors}
+    check_not_overlapping(out, others)
     name = _resolve_backend(backend, w, out, True)
     table = {"eager": eager, "cpu": compiled, "cuda": compiled, "triton": triton_backend}[name]
     (table.sgd_step_predict if rule == "sgd" else table.adam_step_predict)(plan, w, grad, out)

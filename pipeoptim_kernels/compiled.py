@@ -18,6 +18,7 @@ import torch
 
 from . import _build
 from .rules import AdamStepPlan, PredictPlan, SgdStepPlan
+from .validate import same_buffer
 
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "error": None}
@@ -82,7 +83,8 @@ def cpu_isa() -> str | None:
 
 
 def _register_fakes() -> None:
-    for op in ("predict_", "adam_step_predict_", "sgd_step_predict_"):
+    for op in ("predict_", "adam_step_predict_", "sgd_step_predict_", "adam_step_predict_into_grad_",
+               "sgd_step_predict_into_grad_"):
         name = f"pipeoptim::{op}"
         try:
             torch.library.register_fake(name)(lambda *args, **kwargs: None)
@@ -100,9 +102,17 @@ def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
 def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
     coeffs = [p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt,
               p.pred_scale, p.pred_lam]
-    torch.ops.pipeoptim.adam_step_predict_(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out, coeffs)
+    if same_buffer(out, grad):
+        torch.ops.pipeoptim.adam_step_predict_into_grad_(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"),
+                                                         coeffs)
+    else:
+        torch.ops.pipeoptim.adam_step_predict_(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out,
+                                               coeffs)
 
 
 def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
     coeffs = [p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale]
-    torch.ops.pipeoptim.sgd_step_predict_(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)
+    if same_buffer(out, grad):
+        torch.ops.pipeoptim.sgd_step_predict_into_grad_(w, grad, p.tensors.get("buf"), p.nesterov, p.first, coeffs)
+    else:
+        torch.ops.pipeoptim.sgd_step_predict_(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .rules import DEN_LINEAR, DEN_SQRT, AdamStepPlan, PredictPlan, SgdStepPlan
+from .validate import same_buffer
 
 try:
     import triton
@@ -157,7 +158,25 @@ def _sgd_op(w: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor], ou
                                  HAS_MOMENTUM=buf is not None, NESTEROV=nesterov, FIRST=first, BLOCK=block)
 
 
-for _op in (_predict_op, _adam_op, _sgd_op):
+# The same launches writing ŵ over the gradient (each program reads its block of grad before storing
+# over it), declared as mutating grad.
+@torch.library.custom_op("pipeoptim::triton_adam_step_predict_into_grad_", mutates_args=("w", "grad", "m", "v", "vmax"))
+def _adam_into_grad_op(w: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                       vmax: Optional[torch.Tensor], coeffs: list[float]) -> None:
+    n, block = w.numel(), _block()
+    _adam_kernel[_grid(n, block)](w, grad, m, v, vmax if vmax is not None else w, grad, n, *coeffs,
+                                  AMSGRAD=vmax is not None, BLOCK=block)
+
+
+@torch.library.custom_op("pipeoptim::triton_sgd_step_predict_into_grad_", mutates_args=("w", "grad", "buf"))
+def _sgd_into_grad_op(w: torch.Tensor, grad: torch.Tensor, buf: Optional[torch.Tensor], nesterov: bool, first: bool,
+                      coeffs: list[float]) -> None:
+    n, block = w.numel(), _block()
+    _sgd_kernel[_grid(n, block)](w, grad, buf if buf is not None else w, grad, n, *coeffs,
+                                 HAS_MOMENTUM=buf is not None, NESTEROV=nesterov, FIRST=first, BLOCK=block)
+
+
+for _op in (_predict_op, _adam_op, _sgd_op, _adam_into_grad_op, _sgd_into_grad_op):
     _op.register_fake(lambda *args, **kwargs: None)
 
 
@@ -169,9 +188,15 @@ def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
 
 def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
     coeffs = [p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt, p.pred_scale, p.pred_lam]
-    _adam_op(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out, coeffs)
+    if same_buffer(out, grad):
+        _adam_into_grad_op(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), coeffs)
+    else:
+        _adam_op(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"), out, coeffs)
 
 
 def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
     coeffs = [p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale]
-    _sgd_op(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)
+    if same_buffer(out, grad):
+        _sgd_into_grad_op(w, grad, p.tensors.get("buf"), p.nesterov, p.first, coeffs)
+    else:
+        _sgd_op(w, grad, p.tensors.get("buf"), out, p.nesterov, p.first, coeffs)

@@ -70,6 +70,12 @@ def check_group(group: object) -> Mapping:
     return group
 
 
+def same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same flat buffer: same device, start, length and dtype."""
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+            and a.dtype == b.dtype)
+
+
 def check_not_overlapping(out: torch.Tensor, others: dict[str, torch.Tensor]) -> None:
     """out may be w itself (in place) but must not overlap any other buffer it would corrupt."""
     o0, o1 = out.data_ptr(), out.data_ptr() + out.numel() * out.element_size()

@@ -61,6 +61,10 @@ def test_opcheck_compiled_ops(gen):
                           (w.clone(), g, torch.zeros(N), torch.zeros(N), None, torch.empty(N), adam_coeffs))
     torch.library.opcheck(torch.ops.pipeoptim.sgd_step_predict_.default,
                           (w.clone(), g, torch.zeros(N), torch.empty(N), False, True, [0.1, 0.9, 0.0, 0.0, 1.0, 0.1]))
+    torch.library.opcheck(torch.ops.pipeoptim.adam_step_predict_into_grad_.default,
+                          (w.clone(), g.clone(), torch.zeros(N), torch.zeros(N), None, adam_coeffs))
+    torch.library.opcheck(torch.ops.pipeoptim.sgd_step_predict_into_grad_.default,
+                          (w.clone(), g.clone(), torch.zeros(N), False, True, [0.1, 0.9, 0.0, 0.0, 1.0, 0.1]))
 
 
 @pytest.mark.parametrize("op", ["pipeoptim::predict_", "pipeoptim::triton_predict_"])

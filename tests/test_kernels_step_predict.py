@@ -91,3 +91,43 @@ def test_step_predict_large_odd_size(backend, gen):
     torch.testing.assert_close(w, p.detach(), rtol=4e-6, atol=ATOL)
     ref, term = reference_predict("adamw", w, {**state, "grad": g}, opt.param_groups[0], 1, 3)
     assert_close_to_reference(out, ref, term, msg=f"{backend} large seed={gen.initial_seed()}")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
+@pytest.mark.parametrize("cfg", STEP_CONFIGS, ids=_ids)
+def test_prediction_written_over_the_gradient(cfg, backend, gen):
+    """out=grad: the step has finished reading the gradient, so ŵ may take its place. The step and the
+    prediction are the same, to the bit, as with a separate output, and the prediction matches the reference."""
+    rule, cls, hp = cfg
+    n = 4097
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    opt = getattr(torch.optim, cls)([p], **hp)
+    p.grad = torch.randn(n, generator=gen)
+    opt.step()  # real optimizer state to start from
+    state = _flat_state(opt, p, rule, n)
+    w, g = p.detach().clone(), torch.randn(n, generator=gen)
+    results = []
+    for into_grad in (False, True):
+        w_try, g_try, st_try = w.clone(), g.clone(), {k: v.clone() for k, v in state.items()}
+        out = g_try if into_grad else torch.full((n,), float("nan"))
+        got = pk.step_predict(rule, w_try, g_try, st_try, opt.param_groups[0], step=1, s=2, out=out, backend=backend)
+        assert got is out
+        results.append([out, w_try, *st_try.values()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    stepped_state = dict(zip(state, results[1][2:]))
+    ref, term = reference_predict(rule, results[1][1], {**stepped_state, "grad": g}, opt.param_groups[0], 2, 2)
+    assert_close_to_reference(results[1][0], ref, term, msg=f"{backend} {rule} {hp} seed={gen.initial_seed()}")
+
+
+def test_out_overlapping_part_of_the_gradient_is_refused(gen):
+    n = 1000
+    base = torch.randn(n + 1, generator=gen)
+    grad, out = base[:n], base[1:]
+    w = torch.randn(n, generator=gen)
+    state = {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+    before = base.clone()
+    with pytest.raises(ValueError, match="out overlaps grad"):
+        pk.step_predict("adam", w, grad, state, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                                     amsgrad=False, maximize=False), step=1, s=2, out=out)
+    assert torch.equal(base, before)

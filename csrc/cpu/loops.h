@@ -138,10 +138,13 @@ void predict_loop(int64_t n, const float* w, const float* m, const float* g, con
   }
 }
 
-template <bool Amsgrad, int Out>
+// IntoGrad: out is g itself (fp32), written through g so that, as for InPlace above, the compiler sees
+// a same-index read and write.
+template <bool Amsgrad, int Out, bool IntoGrad>
 void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* vmax, void* out,
                const AdamStepCoeffs& c, bool stream) {
   const AdamStepCoeffs k = c;
+  float* g_out = const_cast<float*>(g);
   auto one = [&](int64_t i) {
     float wi = w[i], mi = m[i], vi = v[i], vmi = Amsgrad ? vmax[i] : 0.f;
     float r = adam_step_predict_one<Amsgrad>(k, wi, g[i], mi, vi, vmi);
@@ -149,10 +152,11 @@ void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* v
     m[i] = mi;
     v[i] = vi;
     if (Amsgrad) vmax[i] = vmi;
-    store<Out>(out, i, r);
+    if (IntoGrad) g_out[i] = r;
+    else store<Out>(out, i, r);
   };
 #if PIPEOPTIM_VEC_BYTES > 0
-  if (stream) {
+  if (stream && !IntoGrad) {
     streamed<Out>(n, out, one, [&](int64_t i) {
       vfloat wi = load_vec(w + i), mi = load_vec(m + i), vi = load_vec(v + i);
       vfloat vmi = Amsgrad ? load_vec(vmax + i) : vfloat{};
@@ -170,18 +174,20 @@ void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* v
   for (int64_t i = 0; i < n; ++i) one(i);
 }
 
-template <bool HasMomentum, bool Nesterov, bool First, int Out>
+template <bool HasMomentum, bool Nesterov, bool First, int Out, bool IntoGrad>
 void sgd_loop(int64_t n, float* w, const float* g, float* buf, void* out, const SgdStepCoeffs& c, bool stream) {
   const SgdStepCoeffs k = c;
+  float* g_out = const_cast<float*>(g);
   auto one = [&](int64_t i) {
     float wi = w[i], bi = HasMomentum ? buf[i] : 0.f;
     float r = sgd_step_predict_one<HasMomentum, Nesterov, First>(k, wi, g[i], bi);
     w[i] = wi;
     if (HasMomentum) buf[i] = bi;
-    store<Out>(out, i, r);
+    if (IntoGrad) g_out[i] = r;
+    else store<Out>(out, i, r);
   };
 #if PIPEOPTIM_VEC_BYTES > 0
-  if (stream) {
+  if (stream && !IntoGrad) {
     streamed<Out>(n, out, one, [&](int64_t i) {
       vfloat wi = load_vec(w + i), bi = HasMomentum ? load_vec(buf + i) : vfloat{};
       vfloat r = sgd_step_predict_one<HasMomentum, Nesterov, First, vfloat>(k, wi, load_vec(g + i), bi);
@@ -240,7 +246,11 @@ void with_den(int k, F&& f) {
   void adam_step_predict(int64_t n, float* w, const float* g, float* m, float* v, float* vmax,       \
                          void* out, int out_kind, const AdamStepCoeffs& c, bool stream) {           \
     with_bool(vmax != nullptr, [&](auto ams) {                                                     \
-      with_out(out_kind, [&](auto ok) { adam_loop<ams, ok>(n, w, g, m, v, vmax, out, c, stream); }); \
+      if (out == static_cast<const void*>(g)) {                                                    \
+        adam_loop<ams, OUT_F32, true>(n, w, g, m, v, vmax, out, c, false);                          \
+      } else {                                                                                     \
+        with_out(out_kind, [&](auto ok) { adam_loop<ams, ok, false>(n, w, g, m, v, vmax, out, c, stream); }); \
+      }                                                                                            \
     });                                                                                            \
   }                                                                                                \
   void sgd_step_predict(int64_t n, float* w, const float* g, float* buf, void* out, int out_kind,   \
@@ -248,7 +258,11 @@ void with_den(int k, F&& f) {
     with_bool(buf != nullptr, [&](auto hm) {                                                       \
       with_bool(nesterov, [&](auto nes) {                                                          \
         with_bool(first, [&](auto fst) {                                                           \
-          with_out(out_kind, [&](auto ok) { sgd_loop<hm, nes, fst, ok>(n, w, g, buf, out, c, stream); }); \
+          if (out == static_cast<const void*>(g)) {                                                \
+            sgd_loop<hm, nes, fst, OUT_F32, true>(n, w, g, buf, out, c, false);                     \
+          } else {                                                                                 \
+            with_out(out_kind, [&](auto ok) { sgd_loop<hm, nes, fst, ok, false>(n, w, g, buf, out, c, stream); }); \
+          }                                                                                        \
         });                                                                                        \
       });                                                                                          \
     });                                                                                            \

@@ -117,7 +117,8 @@ void adam_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const at
                            const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
   const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = should_stream(a.n * (16 + present(a.vmax) + osz));
+  const bool into_grad = a.out == static_cast<const void*>(a.g);  // the gradient's lines are cached: no stream
+  const bool stream = !into_grad && should_stream(a.n * (16 + present(a.vmax) + osz));
   const auto fn = isa().adam;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, a.m + b, a.v + b, at_offset(a.vmax, b), static_cast<char*>(a.out) + b * osz,
@@ -129,12 +130,24 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
                           const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
   const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = should_stream(a.n * (8 + present(a.buf) + osz));
+  const bool into_grad = a.out == static_cast<const void*>(a.g);
+  const bool stream = !into_grad && should_stream(a.n * (8 + present(a.buf) + osz));
   const auto fn = isa().sgd;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, at_offset(a.buf, b), static_cast<char*>(a.out) + b * osz, a.out_kind, nesterov,
        first, a.c, stream);
   });
+}
+
+void adam_step_predict_into_grad_cpu(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m,
+                                     const at::Tensor& v, const std::optional<at::Tensor>& vmax,
+                                     at::ArrayRef<double> coeffs) {
+  adam_step_predict_cpu(w, grad, m, v, vmax, grad, coeffs);
+}
+
+void sgd_step_predict_into_grad_cpu(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+                                    bool nesterov, bool first, at::ArrayRef<double> coeffs) {
+  sgd_step_predict_cpu(w, grad, buf, grad, nesterov, first, coeffs);
 }
 
 }  // namespace
@@ -159,4 +172,6 @@ TORCH_LIBRARY_IMPL(pipeoptim, CPU, m) {
   m.impl("predict_", &pipeoptim::cpu::predict_cpu);
   m.impl("adam_step_predict_", &pipeoptim::cpu::adam_step_predict_cpu);
   m.impl("sgd_step_predict_", &pipeoptim::cpu::sgd_step_predict_cpu);
+  m.impl("adam_step_predict_into_grad_", &pipeoptim::cpu::adam_step_predict_into_grad_cpu);
+  m.impl("sgd_step_predict_into_grad_", &pipeoptim::cpu::sgd_step_predict_into_grad_cpu);
 }

@@ -51,7 +51,7 @@ template <bool HasM, bool HasG, int DenKind, bool HasVC, typename T, bool Vec>
 __global__ void predict_kernel(int64_t n, const float* w, const float* m, const float* g, const float* v,
                                const float* vc, T* out, PredictCoeffs c) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  if (Vec) {
+  if constexpr (Vec) {
     const int64_t n4 = n / 4;
     for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
       const int64_t i = q * 4;
@@ -65,12 +65,12 @@ __global__ void predict_kernel(int64_t n, const float* w, const float* m, const 
         r.x[k] = predict_one<HasM, HasG, DenKind, HasVC>(c, wv.x[k], mv.x[k], gv.x[k], vv.x[k], cv.x[k]);
       store_out4(out + i, r);
     }
-    return;
-  }
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float r = predict_one<HasM, HasG, DenKind, HasVC>(c, w[i], HasM ? m[i] : 0.f, HasG ? g[i] : 0.f,
-                                                      DenKind ? v[i] : 0.f, HasVC ? vc[i] : 0.f);
-    out[i] = OutT<T>::cvt(r);
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+      float r = predict_one<HasM, HasG, DenKind, HasVC>(c, w[i], HasM ? m[i] : 0.f, HasG ? g[i] : 0.f,
+                                                        DenKind ? v[i] : 0.f, HasVC ? vc[i] : 0.f);
+      out[i] = OutT<T>::cvt(r);
+    }
   }
 }
 
@@ -80,7 +80,7 @@ template <bool Amsgrad, typename T, bool Vec>
 __global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, float* vmax, T* out,
                             AdamStepCoeffs c) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  if (Vec) {
+  if constexpr (Vec) {
     const int64_t n4 = n / 4;
     for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
       const int64_t i = q * 4;
@@ -94,16 +94,16 @@ __global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float
       if (Amsgrad) store4(vmax + i, xv);
       store_out4(out + i, r);
     }
-    return;
-  }
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float wi = w[i], mi = m[i], vi = v[i], xi = Amsgrad ? vmax[i] : 0.f;
-    float r = adam_step_predict_one<Amsgrad>(c, wi, g[i], mi, vi, xi);
-    w[i] = wi;
-    m[i] = mi;
-    v[i] = vi;
-    if (Amsgrad) vmax[i] = xi;
-    out[i] = OutT<T>::cvt(r);
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+      float wi = w[i], mi = m[i], vi = v[i], xi = Amsgrad ? vmax[i] : 0.f;
+      float r = adam_step_predict_one<Amsgrad>(c, wi, g[i], mi, vi, xi);
+      w[i] = wi;
+      m[i] = mi;
+      v[i] = vi;
+      if (Amsgrad) vmax[i] = xi;
+      out[i] = OutT<T>::cvt(r);
+    }
   }
 }
 
@@ -112,7 +112,7 @@ __global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float
 template <bool HasMomentum, bool Nesterov, bool First, typename T, bool Vec>
 __global__ void sgd_kernel(int64_t n, float* w, const float* g, float* buf, T* out, SgdStepCoeffs c) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  if (Vec) {
+  if constexpr (Vec) {
     const int64_t n4 = n / 4;
     for (int64_t q = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; q < n4; q += stride) {
       const int64_t i = q * 4;
@@ -124,14 +124,14 @@ __global__ void sgd_kernel(int64_t n, float* w, const float* g, float* buf, T* o
       if (HasMomentum) store4(buf + i, bv);
       store_out4(out + i, r);
     }
-    return;
-  }
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    float wi = w[i], bi = (HasMomentum && !First) ? buf[i] : 0.f;
-    float r = sgd_step_predict_one<HasMomentum, Nesterov, First>(c, wi, g[i], bi);
-    w[i] = wi;
-    if (HasMomentum) buf[i] = bi;
-    out[i] = OutT<T>::cvt(r);
+  } else {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += stride) {
+      float wi = w[i], bi = (HasMomentum && !First) ? buf[i] : 0.f;
+      float r = sgd_step_predict_one<HasMomentum, Nesterov, First>(c, wi, g[i], bi);
+      w[i] = wi;
+      if (HasMomentum) buf[i] = bi;
+      out[i] = OutT<T>::cvt(r);
+    }
   }
 }
 
@@ -245,6 +245,18 @@ void sgd_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const st
   });
 }
 
+// Each thread reads its elements of grad before it writes the prediction over them, so out = grad is safe.
+void adam_step_predict_into_grad_cuda(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m,
+                                      const at::Tensor& v, const std::optional<at::Tensor>& vmax,
+                                      at::ArrayRef<double> coeffs) {
+  adam_step_predict_cuda(w, grad, m, v, vmax, grad, coeffs);
+}
+
+void sgd_step_predict_into_grad_cuda(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+                                     bool nesterov, bool first, at::ArrayRef<double> coeffs) {
+  sgd_step_predict_cuda(w, grad, buf, grad, nesterov, first, coeffs);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace pipeoptim
@@ -253,4 +265,6 @@ TORCH_LIBRARY_IMPL(pipeoptim, CUDA, m) {
   m.impl("predict_", &pipeoptim::cuda::predict_cuda);
   m.impl("adam_step_predict_", &pipeoptim::cuda::adam_step_predict_cuda);
   m.impl("sgd_step_predict_", &pipeoptim::cuda::sgd_step_predict_cuda);
+  m.impl("adam_step_predict_into_grad_", &pipeoptim::cuda::adam_step_predict_into_grad_cuda);
+  m.impl("sgd_step_predict_into_grad_", &pipeoptim::cuda::sgd_step_predict_into_grad_cuda);
 }

@@ -57,3 +57,24 @@ def test_misaligned_views_take_the_scalar_path(gen):
     pk.predict("adam", w, {"exp_avg": m, "exp_avg_sq": v}, group, step=3, s=2, out=out, backend="cuda")
     ref, term = reference_predict("adam", w.cpu(), {"exp_avg": m.cpu(), "exp_avg_sq": v.cpu()}, group, 3, 2)
     assert_close_to_reference(out.cpu(), ref, term, msg="misaligned")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("rule,hp", [("adam", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                                   amsgrad=True, maximize=False)),
+                                     ("sgd", dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.01,
+                                                  nesterov=True, maximize=False))])
+def test_step_predict_into_grad_cuda(rule, hp, backend, gen):
+    """out=grad gives the same bits as a separate output (each thread reads its grad before writing over it)."""
+    n = (1 << 20) + 3
+    names = ["momentum_buffer"] if rule == "sgd" else ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    w, g = torch.randn(n, generator=gen).cuda(), torch.randn(n, generator=gen).cuda()
+    state = {k: torch.rand(n, generator=gen).cuda() for k in names}
+    results = []
+    for into_grad in (False, True):
+        w_try, g_try, st = w.clone(), g.clone(), {k: v.clone() for k, v in state.items()}
+        out = g_try if into_grad else torch.empty(n, device="cuda")
+        pk.step_predict(rule, w_try, g_try, st, hp, step=3, s=2, out=out, backend=backend)
+        results.append([out, w_try, *st.values()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
