@@ -94,7 +94,8 @@ bool should_stream(int64_t footprint) {
   return mode == kStreamOn || (mode == kStreamAuto && footprint >= last_level_cache_bytes());
 }
 
-int64_t present(const float* p) { return p != nullptr ? 4 : 0; }
+// Bytes per element an optional fp32 buffer adds to an op's footprint.
+int64_t fp32_bytes(const float* p) { return p != nullptr ? 4 : 0; }
 
 template <typename T>
 T* at_offset(T* p, int64_t o) { return p ? p + o : nullptr; }
@@ -104,7 +105,8 @@ void predict_cpu(const at::Tensor& w, const std::optional<at::Tensor>& m, const 
                  int64_t den, at::ArrayRef<double> coeffs) {
   const PredictArgs a = predict_args(w, m, g, v, vc, out, den, coeffs);
   const int64_t osz = out.element_size();
-  const bool stream = !a.in_place && should_stream(a.n * (4 + present(a.m) + present(a.g) + present(a.v) + present(a.vc) + osz));
+  const int64_t per_element = 4 + fp32_bytes(a.m) + fp32_bytes(a.g) + fp32_bytes(a.v) + fp32_bytes(a.vc) + osz;
+  const bool stream = !a.in_place && should_stream(a.n * per_element);
   const auto fn = isa().predict;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     void* o = a.in_place ? static_cast<void*>(const_cast<float*>(a.w + b)) : static_cast<char*>(a.out) + b * osz;
@@ -118,7 +120,7 @@ void adam_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const at
   const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const int64_t osz = out.element_size();
   const bool into_grad = a.out == static_cast<const void*>(a.g);  // the gradient's lines are cached: no stream
-  const bool stream = !into_grad && should_stream(a.n * (16 + present(a.vmax) + osz));
+  const bool stream = !into_grad && should_stream(a.n * (16 + fp32_bytes(a.vmax) + osz));
   const auto fn = isa().adam;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, a.m + b, a.v + b, at_offset(a.vmax, b), static_cast<char*>(a.out) + b * osz,
@@ -131,7 +133,7 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
   const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const int64_t osz = out.element_size();
   const bool into_grad = a.out == static_cast<const void*>(a.g);
-  const bool stream = !into_grad && should_stream(a.n * (8 + present(a.buf) + osz));
+  const bool stream = !into_grad && should_stream(a.n * (8 + fp32_bytes(a.buf) + osz));
   const auto fn = isa().sgd;
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, at_offset(a.buf, b), static_cast<char*>(a.out) + b * osz, a.out_kind, nesterov,
