@@ -116,4 +116,23 @@ inline SgdArgs sgd_args(const at::Tensor& w, const at::Tensor& grad, const std::
           const_cast<float*>(opt_ptr(buf, w, "momentum_buffer")), out.data_ptr(), out_kind(out), sgd_coeffs(coeffs)};
 }
 
+// The *_into_grad_ ops are the step+predict ops with the gradient as the output: one definition for
+// every device, over that device's step+predict implementation.
+using AdamStepPredictFn = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, const at::Tensor&, at::ArrayRef<double>);
+using SgdStepPredictFn = void (*)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                  const at::Tensor&, bool, bool, at::ArrayRef<double>);
+
+template <AdamStepPredictFn Step>
+void adam_step_predict_into_grad(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& vmax, at::ArrayRef<double> coeffs) {
+  Step(w, grad, m, v, vmax, grad, coeffs);
+}
+
+template <SgdStepPredictFn Step>
+void sgd_step_predict_into_grad(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
+                                bool nesterov, bool first, at::ArrayRef<double> coeffs) {
+  Step(w, grad, buf, grad, nesterov, first, coeffs);
+}
+
 }  // namespace pipeoptim

@@ -141,17 +141,6 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
   });
 }
 
-void adam_step_predict_into_grad_cpu(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m,
-                                     const at::Tensor& v, const std::optional<at::Tensor>& vmax,
-                                     at::ArrayRef<double> coeffs) {
-  adam_step_predict_cpu(w, grad, m, v, vmax, grad, coeffs);
-}
-
-void sgd_step_predict_into_grad_cpu(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
-                                    bool nesterov, bool first, at::ArrayRef<double> coeffs) {
-  sgd_step_predict_cpu(w, grad, buf, grad, nesterov, first, coeffs);
-}
-
 }  // namespace
 
 const char* selected_isa() { return isa().name; }
@@ -174,6 +163,7 @@ TORCH_LIBRARY_IMPL(pipeoptim, CPU, m) {
   m.impl("predict_", &pipeoptim::cpu::predict_cpu);
   m.impl("adam_step_predict_", &pipeoptim::cpu::adam_step_predict_cpu);
   m.impl("sgd_step_predict_", &pipeoptim::cpu::sgd_step_predict_cpu);
-  m.impl("adam_step_predict_into_grad_", &pipeoptim::cpu::adam_step_predict_into_grad_cpu);
-  m.impl("sgd_step_predict_into_grad_", &pipeoptim::cpu::sgd_step_predict_into_grad_cpu);
+  m.impl("adam_step_predict_into_grad_",
+         &pipeoptim::adam_step_predict_into_grad<&pipeoptim::cpu::adam_step_predict_cpu>);
+  m.impl("sgd_step_predict_into_grad_", &pipeoptim::sgd_step_predict_into_grad<&pipeoptim::cpu::sgd_step_predict_cpu>);
 }

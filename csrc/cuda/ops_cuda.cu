@@ -245,18 +245,6 @@ void sgd_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const st
   });
 }
 
-// Each thread reads its elements of grad before it writes the prediction over them, so out = grad is safe.
-void adam_step_predict_into_grad_cuda(const at::Tensor& w, const at::Tensor& grad, const at::Tensor& m,
-                                      const at::Tensor& v, const std::optional<at::Tensor>& vmax,
-                                      at::ArrayRef<double> coeffs) {
-  adam_step_predict_cuda(w, grad, m, v, vmax, grad, coeffs);
-}
-
-void sgd_step_predict_into_grad_cuda(const at::Tensor& w, const at::Tensor& grad, const std::optional<at::Tensor>& buf,
-                                     bool nesterov, bool first, at::ArrayRef<double> coeffs) {
-  sgd_step_predict_cuda(w, grad, buf, grad, nesterov, first, coeffs);
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace pipeoptim
@@ -265,6 +253,8 @@ TORCH_LIBRARY_IMPL(pipeoptim, CUDA, m) {
   m.impl("predict_", &pipeoptim::cuda::predict_cuda);
   m.impl("adam_step_predict_", &pipeoptim::cuda::adam_step_predict_cuda);
   m.impl("sgd_step_predict_", &pipeoptim::cuda::sgd_step_predict_cuda);
-  m.impl("adam_step_predict_into_grad_", &pipeoptim::cuda::adam_step_predict_into_grad_cuda);
-  m.impl("sgd_step_predict_into_grad_", &pipeoptim::cuda::sgd_step_predict_into_grad_cuda);
+  // Each thread reads its elements of grad before it writes the prediction over them: out = grad is safe.
+  m.impl("adam_step_predict_into_grad_",
+         &pipeoptim::adam_step_predict_into_grad<&pipeoptim::cuda::adam_step_predict_cuda>);
+  m.impl("sgd_step_predict_into_grad_", &pipeoptim::sgd_step_predict_into_grad<&pipeoptim::cuda::sgd_step_predict_cuda>);
 }
