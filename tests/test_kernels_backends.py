@@ -109,6 +109,14 @@ def test_streaming_stores_give_the_same_bits_as_ordinary_stores(dtype, offset, g
         lambda out: pk.predict("rmsprop", w, {"square_avg": v, "grad_avg": 0.1 * m, "momentum_buffer": m},
                                dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.9, centered=True,
                                     maximize=False), step=3, s=2, out=out, backend="cpu"),
+        # centered without momentum: the denominator subtracts grad_avg² (kept below square_avg here)
+        lambda out: pk.predict("rmsprop", w, {"square_avg": v + 0.5, "grad_avg": 0.1 * v, "grad": g},
+                               dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.01, momentum=0.0, centered=True,
+                                    maximize=False), step=3, s=2, out=out, backend="cpu"),
+        # a linear denominator (Adamax's infinity norm)
+        lambda out: pk.predict("adamax", w, {"exp_avg": m, "exp_inf": v + 0.5},
+                               dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
+                               step=3, s=2, out=out, backend="cpu"),
         lambda out: pk.predict("sgd", w, {"momentum_buffer": m}, dict(lr=0.1, momentum=0.9, dampening=0.0,
                                weight_decay=0.0, nesterov=False, maximize=False), step=3, s=2, out=out, backend="cpu"),
         lambda out: pk.predict("adagrad", w, {"sum": v, "grad": g}, dict(lr=1e-2, lr_decay=0.0, eps=1e-10,
