@@ -351,7 +351,8 @@ def plot(rows: list[dict], path: Path) -> None:
     largest = max(r["params"] for r in rows)
     sel = [r for r in rows if r["params"] == largest]
     rule_names = list(dict.fromkeys(r["rule"] for r in sel))
-    variants = ["per-tensor eager", "foreach", "flat eager", "cpu", "cpu in place", "cuda", "cuda in place", "triton"]
+    variants = ["per-tensor eager", "foreach", "flat eager", "cpu ordinary stores", "cpu", "cpu in place", "cuda",
+                "cuda in place", "triton"]
     variants = [v for v in variants if any(r["variant"] == v for r in sel)]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(variants)
