@@ -16,6 +16,7 @@ TORCH_LIBRARY(pipeoptim, m) {
 namespace pipeoptim {
 namespace cpu {
 const char* selected_isa();
+std::string set_isa(const std::string& name);
 int set_stream_mode(int mode);
 int64_t stream_threshold_bytes();
 }
@@ -33,4 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_stream_threshold_bytes", &pipeoptim::cpu::stream_threshold_bytes,
         "output size from which the CPU kernels stream in auto mode (the last-level cache)");
   m.def("cpu_isa", &pipeoptim::cpu::selected_isa, "the instruction set the CPU loops run with");
+  m.def("set_cpu_isa", &pipeoptim::cpu::set_isa,
+        "run the CPU loops compiled for another instruction set this processor supports (avx512, avx2, generic); "
+        "returns the previous one");
 }

@@ -85,64 +85,111 @@ def test_predict_op_under_torch_compile(op, gen):
     torch.testing.assert_close(got, expect, rtol=1e-6, atol=1e-6)
 
 
-def _with_stream_mode(mode, fn):
-    module = compiled.load()
-    previous = module.set_cpu_stream(mode)
+def _with_setting(setter: str, value, fn):
+    """fn() with one of the extension's run-time settings (set_cpu_stream, set_cpu_isa) changed."""
+    set_ = getattr(compiled.load(), setter)
+    previous = set_(value)
     try:
         return fn()
     finally:
-        module.set_cpu_stream(previous)
+        set_(previous)
+
+
+def _loop_results(gen, dtype, offset, run):
+    """The outputs and stepped state of every CPU loop kind (predict with each denominator, Adam and SGD
+    step+predict) on fresh inputs, each call made through run(call) and written to a NaN-poisoned output
+    that starts `offset` elements off its vector alignment."""
+    n = 3 * 1024 + 7
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    predicts = [
+        ("adam", {"exp_avg": m, "exp_avg_sq": v}, GROUP),
+        ("rmsprop", {"square_avg": v, "grad_avg": 0.1 * m, "momentum_buffer": m},
+         dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.9, centered=True, maximize=False)),
+        # centered without momentum: the denominator subtracts grad_avg² (kept below square_avg here)
+        ("rmsprop", {"square_avg": v + 0.5, "grad_avg": 0.1 * v, "grad": g},
+         dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.01, momentum=0.0, centered=True, maximize=False)),
+        ("sgd", {"momentum_buffer": m},
+         dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)),
+        ("adagrad", {"sum": v, "grad": g}, dict(lr=1e-2, lr_decay=0.0, eps=1e-10, weight_decay=0.0, maximize=False)),
+        # a linear denominator (Adamax's infinity norm)
+        ("adamax", {"exp_avg": m, "exp_inf": v + 0.5},
+         dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False)),
+    ]
+    results = []
+    for rule, state, group in predicts:
+        out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
+        run(lambda: pk.predict(rule, w, state, group, step=3, s=2, out=out, backend="cpu"))
+        assert not out.isnan().any(), rule
+        results.append(out)
+    steps = [("adam", {**GROUP, "amsgrad": True}, ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")),
+             ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False),
+              ("momentum_buffer",))]
+    for rule, group, names in steps:
+        state = {k: (v if k == "exp_avg_sq" else m).clone() for k in names}
+        w_step = w.clone()
+        out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
+        run(lambda: pk.step_predict(rule, w_step, g, state, group, step=3, s=2, out=out, backend="cpu"))
+        results += [out, w_step, *state.values()]
+    return results
+
+
+OUT_TYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("offset", [0, 1, 5, 17])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_streaming_stores_give_the_same_bits_as_ordinary_stores(dtype, offset, gen):
-    """Every loop the cpu backend streams (predict for each denominator, Adam and SGD step+predict), with the
-    output starting off its vector alignment (head and tail run element by element): the same bits as with
-    ordinary stores, and the same stepped state."""
-    n = 3 * 1024 + 7
-    w = torch.randn(n, generator=gen)
-    g = torch.randn(n, generator=gen)
-    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
-    cases = [
-        lambda out: pk.predict("adam", w, {"exp_avg": m, "exp_avg_sq": v}, GROUP, step=3, s=2, out=out, backend="cpu"),
-        lambda out: pk.predict("rmsprop", w, {"square_avg": v, "grad_avg": 0.1 * m, "momentum_buffer": m},
-                               dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.9, centered=True,
-                                    maximize=False), step=3, s=2, out=out, backend="cpu"),
-        # centered without momentum: the denominator subtracts grad_avg² (kept below square_avg here)
-        lambda out: pk.predict("rmsprop", w, {"square_avg": v + 0.5, "grad_avg": 0.1 * v, "grad": g},
-                               dict(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.01, momentum=0.0, centered=True,
-                                    maximize=False), step=3, s=2, out=out, backend="cpu"),
-        # a linear denominator (Adamax's infinity norm)
-        lambda out: pk.predict("adamax", w, {"exp_avg": m, "exp_inf": v + 0.5},
-                               dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False),
-                               step=3, s=2, out=out, backend="cpu"),
-        lambda out: pk.predict("sgd", w, {"momentum_buffer": m}, dict(lr=0.1, momentum=0.9, dampening=0.0,
-                               weight_decay=0.0, nesterov=False, maximize=False), step=3, s=2, out=out, backend="cpu"),
-        lambda out: pk.predict("adagrad", w, {"sum": v, "grad": g}, dict(lr=1e-2, lr_decay=0.0, eps=1e-10,
-                               weight_decay=0.0, maximize=False), step=3, s=2, out=out, backend="cpu"),
-    ]
-    for case in cases:
-        outs = []
+@pytest.mark.parametrize("dtype", OUT_TYPES, ids=str)
+def test_streaming_stores_give_the_same_bits_as_ordinary_stores(dtype, offset):
+    """Every loop the cpu backend streams, with the output off its vector alignment (head and tail run
+    element by element): the same bits as with ordinary stores, and the same stepped state."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    results = [_loop_results(torch.Generator().manual_seed(seed), dtype, offset,
+                             lambda call, mode=mode: _with_setting("set_cpu_stream", mode, call))
+               for mode in (0, 1)]
+    for a, b in zip(*results):
+        assert torch.equal(a, b), f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", OUT_TYPES, ids=str)
+def test_every_instruction_set_gives_the_same_bits(dtype):
+    """The loops compiled for each instruction set this processor runs (CI's has AVX-512, so the AVX2 and
+    baseline loops are exercised here too), with ordinary and streaming stores: one set of bits."""
+    module = compiled.load()
+    names = [name for name in ("avx512", "avx2", "generic") if _runs(module, name)]
+    assert module.cpu_isa() == names[0], "the best instruction set the processor supports is the default"
+    seed = int.from_bytes(os.urandom(4), "little")
+    results = []
+    for name in names:
         for mode in (0, 1):
-            out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
-            _with_stream_mode(mode, lambda: case(out))
-            outs.append(out)
-        assert not outs[0].isnan().any()
-        assert torch.equal(outs[0], outs[1])
-    for rule, group in [("adam", {**GROUP, "amsgrad": True}), ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.0,
-                        weight_decay=0.01, nesterov=True, maximize=False))]:
-        results = []
-        for mode in (0, 1):
-            names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if rule == "adam" else ("momentum_buffer",)
-            state = {k: (v if k == "exp_avg_sq" else m).clone() for k, v in zip(names, (m, v, v))}
-            w_step = w.clone()
-            out = torch.full((n + offset,), float("nan"), dtype=dtype)[offset:]
-            _with_stream_mode(mode, lambda: pk.step_predict(rule, w_step, g, state, group, step=3, s=2, out=out,
-                                                            backend="cpu"))
-            results.append([out, w_step, *state.values()])
-        for a, b in zip(*results):
-            assert torch.equal(a, b)
+            run = (lambda call, name=name, mode=mode:
+                   _with_setting("set_cpu_isa", name, lambda: _with_setting("set_cpu_stream", mode, call)))
+            results.append((name, mode, _loop_results(torch.Generator().manual_seed(seed), dtype, 5, run)))
+    for name, mode, got in results[1:]:
+        for a, b in zip(results[0][2], got):
+            assert torch.equal(a, b), f"{name} stream={mode} differs from {results[0][0]}; seed={seed}"
+
+
+def _runs(module, name: str) -> bool:
+    try:
+        _with_setting("set_cpu_isa", name, lambda: None)
+        return True
+    except RuntimeError:
+        return False
+
+
+def test_unknown_or_unsupported_instruction_set_is_refused():
+    module = compiled.load()
+    with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'; this processor can run: .*generic"):
+        module.set_cpu_isa("sse9")
+    assert module.cpu_isa() in ("avx512", "avx2", "generic")
+
+
+def test_instruction_set_from_the_environment():
+    env = {**os.environ, "PIPEOPTIM_CPU_ISA": "generic"}
+    code = "from pipeoptim_kernels import compiled; print(compiled.cpu_isa())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "generic"
 
 
 @pytest.mark.parametrize("flag, mode", [(None, -1), ("", -1), ("0", 0), ("1", 1)])

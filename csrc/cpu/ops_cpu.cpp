@@ -24,21 +24,65 @@ struct Isa {
   decltype(&generic::sgd_step_predict) sgd;
 };
 
-Isa pick_isa() {
+// Best first. Every instruction set computes the same bits (no contraction, correctly rounded sqrt and
+// division), so the choice changes only the speed.
+const Isa kIsas[] = {
+    {"avx512", avx512::predict, avx512::adam_step_predict, avx512::sgd_step_predict},
+    {"avx2", avx2::predict, avx2::adam_step_predict, avx2::sgd_step_predict},
+    {"generic", generic::predict, generic::adam_step_predict, generic::sgd_step_predict},
+};
+
+bool supported(const Isa& isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return {"avx512", avx512::predict, avx512::adam_step_predict, avx512::sgd_step_predict};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return {"avx2", avx2::predict, avx2::adam_step_predict, avx2::sgd_step_predict};
+  const std::string name = isa.name;
+  if (name == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (name == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  return true;
+#else
+  return std::string(isa.name) == "generic";
 #endif
-  return {"generic", generic::predict, generic::adam_step_predict, generic::sgd_step_predict};
 }
 
+std::string supported_names() {
+  std::string names;
+  for (const Isa& isa : kIsas)
+    if (supported(isa)) names += (names.empty() ? "" : ", ") + std::string(isa.name);
+  return names;
+}
+
+const Isa& find_isa(const std::string& name, const char* who) {
+  for (const Isa& isa : kIsas) {
+    if (name == isa.name) {
+      TORCH_CHECK(supported(isa), who, ": this processor cannot run the ", name, " loops; it can run: ",
+                  supported_names());
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, who, ": unknown instruction set '", name, "'; this processor can run: ", supported_names());
+}
+
+// The best this processor supports, or the one PIPEOPTIM_CPU_ISA names (for comparing the loops).
+const Isa& initial_isa() {
+  const char* env = std::getenv("PIPEOPTIM_CPU_ISA");
+  if (env != nullptr && env[0] != '\0') return find_isa(env, "PIPEOPTIM_CPU_ISA");
+  for (const Isa& isa : kIsas)
+    if (supported(isa)) return isa;
+  return kIsas[2];
+}
+
+std::atomic<const Isa*> g_isa{nullptr};
+
 const Isa& isa() {
-  static const Isa chosen = pick_isa();
-  return chosen;
+  const Isa* chosen = g_isa.load(std::memory_order_relaxed);
+  if (chosen == nullptr) {
+    chosen = &initial_isa();
+    g_isa.store(chosen, std::memory_order_relaxed);
+  }
+  return *chosen;
 }
 
 // Streaming stores for a separate output (loops.h says why) pay off only when the op's buffers do not
@@ -144,6 +188,12 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
 }  // namespace
 
 const char* selected_isa() { return isa().name; }
+
+std::string set_isa(const std::string& name) {
+  const std::string previous = isa().name;
+  g_isa.store(&find_isa(name, "set_cpu_isa"), std::memory_order_relaxed);
+  return previous;
+}
 
 int set_stream_mode(int mode) {
   TORCH_CHECK(mode >= kStreamAuto && mode <= kStreamOn,
