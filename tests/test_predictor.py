@@ -1,14 +1,13 @@
 """Tests of pipeoptim.predictor: predicted weights, the forward under prediction, backward semantics.
 
-The references are written here, independently of pipeoptim_kernels.rules: the float64 prediction
-ŵ = w − s·lr·Δ with Δ from torch.optim's update rules, and gradients computed by hand (the output
+The references are independent of pipeoptim_kernels.rules: the float64 prediction ŵ = w − s·lr·Δ with Δ
+from torch.optim's update rules as tests/kernel_reference.py writes them, and gradients computed by hand (the output
 gradient from the ŵ forward, every backward op with the weights real at backward time). The helpers
 at the top are shared with tests/test_policies.py.
 """
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -18,6 +17,8 @@ from torch import nn
 from torch.nn.grad import conv2d_input, conv2d_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from kernel_reference import reference_delta
 
 import pipeoptim_kernels as pk
 from pipeoptim.flat import bind
@@ -125,63 +126,19 @@ def _f(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
+RULE_OF = {"SGD": "sgd", "Adam": "adam", "AdamW": "adamw", "RMSprop": "rmsprop", "Adagrad": "adagrad",
+           "Adamax": "adamax", "NAdam": "nadam", "RAdam": "radam"}
+
+
 def reference_direction(optimizer, p, last_grad):
-    """Δ in float64 for parameter p from optimizer.state[p], written from torch.optim's update rules."""
+    """Δ in float64 for parameter p from optimizer.state[p], by tests/kernel_reference.py's textbook rules,
+    scaled so that ŵ = w − s·lr·Δ with the group's lr (Adagrad's lr decay folded in)."""
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    st = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in optimizer.state[p].items()}
-    w = p.detach().double()
-    g = last_grad.double()
-    if group.get("maximize", False):
-        g = -g
-    wd = group.get("weight_decay", 0.0)
-    name = type(optimizer).__name__
-    t = _f(st["step"]) if "step" in st else None
-    if name == "SGD":
-        d = g + wd * w
-        mu = group["momentum"]
-        if mu == 0:
-            return d
-        buf = st["momentum_buffer"]
-        return d + mu * buf if group["nesterov"] else buf
-    if name in ("Adam", "AdamW"):
-        b1, b2 = group["betas"]
-        decoupled = name == "AdamW" or group.get("decoupled_weight_decay", False)
-        v = st["max_exp_avg_sq"] if group["amsgrad"] else st["exp_avg_sq"]
-        direction = (st["exp_avg"] / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
-        return direction + wd * w if decoupled else direction
-    if name == "RMSprop":
-        if group["momentum"] > 0:
-            return st["momentum_buffer"]
-        v = st["square_avg"] - st["grad_avg"] ** 2 if group["centered"] else st["square_avg"]
-        return (g + wd * w) / (v.sqrt() + group["eps"])
-    if name == "Adagrad":
-        decay = 1 + (t - 1) * group["lr_decay"]  # the lr scale of the last step, as the table says
-        return (g + wd * w) / (st["sum"].sqrt() + group["eps"]) / decay
-    if name == "Adamax":
-        return st["exp_avg"] / (1 - group["betas"][0] ** t) / st["exp_inf"]
-    if name == "NAdam":
-        b1, b2 = group["betas"]
-        psi = group["momentum_decay"]
-        mu = b1 * (1 - 0.5 * 0.96 ** (t * psi))
-        mu_next = b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
-        prod = _f(st["mu_product"])
-        decoupled = group.get("decoupled_weight_decay", False)
-        d = g if decoupled else g + wd * w
-        denom = (st["exp_avg_sq"] / (1 - b2 ** t)).sqrt() + group["eps"]
-        direction = ((1 - mu) / (1 - prod) * d + mu_next / (1 - prod * mu_next) * st["exp_avg"]) / denom
-        return direction + wd * w if decoupled else direction
-    if name == "RAdam":
-        b1, b2 = group["betas"]
-        m_hat = st["exp_avg"] / (1 - b1 ** t)
-        rho_inf = 2 / (1 - b2) - 1
-        rho = rho_inf - 2 * t * b2 ** t / (1 - b2 ** t)
-        direction = m_hat
-        if rho > 5:
-            rect = math.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
-            direction = m_hat * rect * math.sqrt(1 - b2 ** t) / (st["exp_avg_sq"].sqrt() + group["eps"])
-        decoupled = group.get("decoupled_weight_decay", False)
-        return direction + wd * w if decoupled else direction
-    raise AssertionError(name)
+    state = {k: v for k, v in optimizer.state[p].items() if k != "step"}
+    step = int(_f(optimizer.state[p]["step"])) if "step" in optimizer.state[p] else 0
+    delta, lr = reference_delta(RULE_OF[type(optimizer).__name__], p.detach(), {**state, "grad": last_grad}, group,
+                                step)
+    return delta * (lr / _f(group["lr"]))
 
 
 def reference_prediction(optimizer, p, last_grad, s):
