@@ -1,5 +1,6 @@
 """Backend selection, the compiled extension's build, and the ops under torch.compile."""
 import os
+import re
 import subprocess
 import sys
 
@@ -182,6 +183,24 @@ def test_unknown_or_unsupported_instruction_set_is_refused():
     with pytest.raises(RuntimeError, match="unknown instruction set 'sse9'; this processor can run: .*generic"):
         module.set_cpu_isa("sse9")
     assert module.cpu_isa() in ("avx512", "avx2", "generic")
+
+
+@pytest.mark.parametrize("name, value, message", [("PIPEOPTIM_CPU_ISA", "sse9", "unknown instruction set 'sse9'"),
+                                                   ("PIPEOPTIM_CPU_STREAM", "yes", "must be 1 .* got 'yes'")])
+def test_bad_cpu_setting_in_the_environment_is_refused_before_writing(name, value, message):
+    code = ("import torch, pipeoptim_kernels as pk\n"
+            "w = torch.randn(100); out = torch.zeros(100)\n"
+            "st = {'exp_avg': torch.randn(100), 'exp_avg_sq': torch.rand(100)}\n"
+            "grp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)\n"
+            "try:\n"
+            "    pk.predict('adam', w, st, grp, step=3, s=2, out=out, backend='cpu')\n"
+            "except RuntimeError as e:\n"
+            "    print('untouched' if bool((out == 0).all()) else 'written'); print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, name: value}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("untouched"), done.stdout
+    assert re.search(message, done.stdout), done.stdout
 
 
 def test_instruction_set_from_the_environment():

@@ -98,7 +98,11 @@ int stream_mode() {
   int mode = g_stream_mode.load(std::memory_order_relaxed);
   if (mode == kStreamUnset) {
     const char* env = std::getenv("PIPEOPTIM_CPU_STREAM");
-    mode = env == nullptr || env[0] == '\0' ? kStreamAuto : env[0] == '1' ? kStreamOn : kStreamOff;
+    const std::string value = env == nullptr ? "" : env;
+    TORCH_CHECK(value.empty() || value == "0" || value == "1",
+                "PIPEOPTIM_CPU_STREAM must be 1 (streaming stores on), 0 (off) or unset (on for buffers past the "
+                "last-level cache); got '", value, "'");
+    mode = value.empty() ? kStreamAuto : value == "1" ? kStreamOn : kStreamOff;
     g_stream_mode.store(mode, std::memory_order_relaxed);
   }
   return mode;
