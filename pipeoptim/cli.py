@@ -5,7 +5,7 @@ Each subcommand is a ``Command(help, add_arguments, run)``. ``add_arguments`` mu
 torch.distributed. To add a subcommand elsewhere in the package::
 
     from pipeoptim.cli import register, lazy
-    register("train", "train a model through a pipeline", add_arguments, lazy("pipeoptim.runtime.cli_train", "run"))
+    register("train", "train a model through a pipeline", add_arguments, lazy("pipeoptim.cli_train", "run"))
 
 Run as ``pipeoptim ...`` (installed entry point) or ``python -m pipeoptim.cli ...``.
 """
@@ -199,12 +199,12 @@ register("compare-schedules", "tabulate bubble, memory and traffic of all schedu
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    from .runtime.cli_train import add_arguments
+    from .cli_train import add_arguments
     add_arguments(p)
 
 
 register("train", "train a small GPT on the stdlib corpus through a pipeline (4 local processes by default)",
-         _train_arguments, lazy("pipeoptim.runtime.cli_train", "run"))
+         _train_arguments, lazy("pipeoptim.cli_train", "run"))
 
 
 def build_parser() -> argparse.ArgumentParser:

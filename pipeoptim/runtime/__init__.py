@@ -8,7 +8,6 @@
     faults, launcher   one failing rank ends all ranks with its error; local N-process launcher
     config             names -> checked configuration, before any process starts
     checkpoint         state keyed by global parameter names
-    cli_train          the ``pipeoptim train`` subcommand
 
 Names are imported lazily so that ``pipeoptim --help`` does not load torch.distributed.
 """

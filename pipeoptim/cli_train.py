@@ -48,22 +48,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _config(args) -> dict:
-    from .config import check_policy, make_schedule
-    from .plan import Plan
+    from .runtime.config import check_policy, make_schedule
+    from .runtime.plan import Plan
     d, h, L, T = SIZES[args.model]
     sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
     policy = check_policy(sched, args.policy)
     Plan(sched)
-    from .config import stages_for
+    from .runtime.config import stages_for
     if stages_for(args.schedule, args.stages) > L + 2:
-        from .plan import ConfigError
+        from .runtime.plan import ConfigError
         raise ConfigError(f"schedule {args.schedule!r} on {args.stages} devices needs "
                           f"{stages_for(args.schedule, args.stages)} stages but model {args.model!r} has {L + 2} "
                           "layers; use a bigger --model or fewer --stages")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available() or torch.cuda.device_count() < (1 if args.emulate else args.stages):
-            from .plan import ConfigError
+            from .runtime.plan import ConfigError
             raise ConfigError(f"--device cuda needs {args.stages} GPUs (one per stage); found "
                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}. Use --device cpu")
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
@@ -86,10 +86,10 @@ def train_worker(cfg: dict) -> dict:
     """Runs on every rank (or once, emulated); returns the loss history."""
     import torch
 
-    from ..data import stdlib_corpus
-    from ..models import GPTConfig, gpt_layers
-    from ..models.gpt import lm_loss
-    from ..train import Pipeline
+    from .data import stdlib_corpus
+    from .models import GPTConfig, gpt_layers
+    from .models.gpt import lm_loss
+    from .train import Pipeline
 
     torch.manual_seed(cfg["seed"])
     mcfg = GPTConfig(seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
@@ -168,8 +168,8 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
 
 
 def run(args) -> int:
-    from .launcher import launch
-    from .plan import ConfigError
+    from .runtime.launcher import launch
+    from .runtime.plan import ConfigError
     try:
         cfg = _config(args)
     except ConfigError as e:
