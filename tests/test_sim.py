@@ -100,7 +100,8 @@ def test_memory_weight_versions_and_traffic():
 def test_compare_rows_and_steady_state_of_async_schedules():
     rows = {r["schedule"]: r for r in compare(4, 8, Costs(forward=1.0, backward=2.0))}
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "chimera[reference]", "chimera[paced]",
-                         "bitpipe[reference]", "bitpipe[paced]", "async-1f1b", "2bw"}
+                         "bitpipe[reference]", "bitpipe[paced]", "zb-h1", "zbv", "dualpipev", "async-1f1b",
+                         "async-zb", "2bw"}
     assert rows["1f1b"]["steady_bubble"] == rows["1f1b"]["bubble_ratio"] == pytest.approx(3 / 11)
     assert rows["async-1f1b"]["steady_bubble"] == pytest.approx(0.0)     # no flush: a long run has no bubble
     rows = {r["schedule"]: r for r in compare(4, 6)}
