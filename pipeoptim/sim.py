@@ -230,22 +230,24 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
 
 
 def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = None, repeats: int = 5,
-                   warmup: int = 2) -> dict:
+                   warmup: int = 2, split: bool = False) -> dict:
     """Measure each stage module's forward and backward time (seconds) on this machine, one micro-batch.
 
     ``stages`` are torch modules applied in sequence to ``example_input``; ``loss_fn(output)`` turns the last
     output into a scalar (default: sum). Returns ``forward``, ``backward`` (per-stage medians),
     ``activation_bytes`` (each stage's output size) and ``param_bytes`` (per stage), ready for
     ``Costs.from_measurements(r["forward"], r["backward"], activation_bytes=r["activation_bytes"],
-    param_bytes=r["param_bytes"])``.
+    param_bytes=r["param_bytes"])``. ``split=True`` also times the runtime's split backward, the input pass
+    and the weight pass (``backward_input``, ``backward_weight``), in every repeat after the full backward.
     """
     import torch  # imported here so that schedule tooling never needs torch
 
     loss_fn = loss_fn or (lambda out: out.float().sum())
-    fwd_t: list[list[float]] = [[] for _ in stages]
-    bwd_t: list[list[float]] = [[] for _ in stages]
-    out_bytes = [0.0] * len(stages)
-    for rep in range(warmup + repeats):
+    n = len(stages)
+    times = {k: [[] for _ in stages] for k in ("forward", "backward", "backward_input", "backward_weight")}
+    out_bytes = [0.0] * n
+
+    def forward(record: bool):
         x = example_input.detach()
         inputs, outputs = [], []
         for k, stage in enumerate(stages):
@@ -256,11 +258,16 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
             inputs.append(x)
             outputs.append(y)
             out_bytes[k] = float(y.numel() * y.element_size())
-            if rep >= warmup:
-                fwd_t[k].append(t1 - t0)
+            if record:
+                times["forward"][k].append(t1 - t0)
             x = y
+        return inputs, outputs
+
+    for rep in range(warmup + repeats):
+        record = rep >= warmup
+        inputs, outputs = forward(record)
         grad = None
-        for k in reversed(range(len(stages))):
+        for k in reversed(range(n)):
             t0 = time.perf_counter()
             if grad is None:
                 loss_fn(outputs[k]).backward()
@@ -268,17 +275,33 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
                 torch.autograd.backward(outputs[k], grad)
             t1 = time.perf_counter()
             grad = inputs[k].grad
-            if rep >= warmup:
-                bwd_t[k].append(t1 - t0)
+            if record:
+                times["backward"][k].append(t1 - t0)
+        if split:
+            from .runtime.split_backward import input_pass, weight_pass
+            inputs, outputs = forward(False)
+            grad = None
+            for k in reversed(range(n)):
+                out, gout = ((loss_fn(outputs[k]),), None) if grad is None else ((outputs[k],), (grad,))
+                t0 = time.perf_counter()
+                (grad,), work = input_pass(out, gout, (inputs[k],), list(stages[k].parameters()))
+                t1 = time.perf_counter()
+                weight_pass(work)
+                t2 = time.perf_counter()
+                if record:
+                    times["backward_input"][k].append(t1 - t0)
+                    times["backward_weight"][k].append(t2 - t1)
         for stage in stages:
             stage.zero_grad(set_to_none=True)
 
     def median(v: list[float]) -> float:
         v = sorted(v)
         return v[len(v) // 2]
-    return {"forward": [median(v) for v in fwd_t], "backward": [median(v) for v in bwd_t],
-            "activation_bytes": out_bytes,
-            "param_bytes": [float(sum(p.numel() * p.element_size() for p in st.parameters())) for st in stages]}
+    out = {k: [median(v) for v in times[k]] for k in (("forward", "backward", "backward_input", "backward_weight")
+                                                       if split else ("forward", "backward"))}
+    out["activation_bytes"] = out_bytes
+    out["param_bytes"] = [float(sum(p.numel() * p.element_size() for p in st.parameters())) for st in stages]
+    return out
 
 
 def with_ratio(costs: Costs, bwd_ratio: float) -> Costs:
