@@ -90,7 +90,8 @@ def winners(rows: list[dict], skip: tuple[str, ...] = ()) -> str:
             if r is None or r.get("error"):
                 cells.append("–")
             else:
-                cells.append(f"{r['steady_bubble'] if n in ASYNC else r['bubble_ratio']:.3f}")
+                value = r["steady_bubble"] if n in ASYNC else r["bubble_ratio"]
+                cells.append(f"{max(value, 0.0):.3f}")   # a steady state can come out as -1e-16
         sync = [r for n, r in group.items() if n not in ASYNC and n not in skip and not r.get("error")]
         best = min(sync, key=lambda r: r["makespan"])
         speed = group["1f1b"]["makespan"] / best["makespan"] if "1f1b" in group else float("nan")
