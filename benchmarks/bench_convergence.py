@@ -13,6 +13,8 @@ Workloads (``--suite``):
   ablate-digits8 / ablate-gpt4
                      PipeOptim exact with three ways of giving s: the schedule-derived s (what the runtime passes),
                      the paper's s = D-k-1 (constant, also during warm-up) and the public code's s = D-k
+  gpt4-zb            gpt4's setting with the asynchronous zero-bubble schedule (async-zb: split backward, device
+                     k runs each weight gradient k micro-batches late, a step after every W) against async-1f1b
 
 Methods: ``sync`` (1F1B with one micro-batch per step: every update sees one weight version, the staleness-free
 reference with the same samples per update and the same number of updates as the async runs), ``none`` (naive
@@ -20,7 +22,9 @@ async 1F1B), ``stash`` (PipeDream), ``2bw`` (PipeDream-2BW: D micro-batches of s
 samples per update and updates match the others), ``spectrain`` (the paper's s: forward floor(k/2) + D-k-1,
 backward floor(k/2); benchmarks/RESULTS.md's ``spectrain-paper`` rows were run with a subclass doing this before the
 runtime passed the look-ahead itself, its ``spectrain`` rows with the forward s missing it), ``pipeoptim-paper``,
-``pipeoptim-exact``.
+``pipeoptim-exact``. Suite gpt4-zb adds ``zb-pipeoptim`` (async-zb + PipeOptim exact, s from the schedule: the steps
+until the micro-batch's W, D-1 on every stage in steady state), ``zb-pipeoptim-sI`` (the same with s counted only to
+the I, D-k-1, the other candidate) and ``zb-none`` (async-zb without prediction).
 
 Every asynchronous run is a stream of ``train_step`` windows of ``--window`` micro-batches (each micro-batch is a
 mini-batch and a step); each window warms up and drains, so a small share of micro-batches sees less staleness
@@ -51,6 +55,7 @@ from torch import nn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("sync", "none", "stash", "2bw", "spectrain", "pipeoptim-paper", "pipeoptim-exact")
+ZB_METHODS = ("zb-none", "zb-pipeoptim", "zb-pipeoptim-sI")
 S_RULES = ("schedule", "paper", "code")
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
@@ -69,6 +74,8 @@ SUITES = {
                            target=0.95, methods=tuple(f"s-{r}" for r in S_RULES)),
     "ablate-gpt4": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
                         target=2.6, methods=tuple(f"s-{r}" for r in S_RULES)),
+    "gpt4-zb": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
+                    target=2.6, methods=("sync", "pipeoptim-exact") + ZB_METHODS),
 }
 
 
@@ -181,6 +188,29 @@ def _register_s_policy():
     register_policy(SRulePolicy)
 
 
+def _register_input_s_policy():
+    """PipeOptim predicting each forward only up to its micro-batch's input-gradient pass I (not to its W): the
+    runtime passes the steps up to the W, so the table of steps up to the I is set per stage after the Pipeline
+    is built (``input_s``: micro-batch -> s)."""
+    from pipeoptim.policies import POLICIES, PipeOptimPolicy, register_policy
+    if "pipeoptim-sI" in POLICIES:
+        return
+
+    class InputSPolicy(PipeOptimPolicy):
+        name = "pipeoptim-sI"
+        input_s: dict = {}
+
+        @contextmanager
+        def forward(self, mb, s=0, lookahead=0):
+            with super().forward(mb, s=self.input_s[mb], lookahead=lookahead):
+                yield
+
+        def _apply_step(self, next_s):
+            super()._apply_step(None)    # the next forward's s is not the runtime's: predict at that forward
+
+    register_policy(InputSPolicy)
+
+
 # ---- one run ------------------------------------------------------------------------------------------------
 def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     """Pipeline keyword arguments and the per-micro-batch size for `method`."""
@@ -194,10 +224,15 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     if method.startswith("s-"):
         _register_s_policy()
         return dict(schedule="async-1f1b", policy="pipeoptim-srule", microbatches=window), mbs
+    if method in ZB_METHODS:
+        if method == "zb-pipeoptim-sI":
+            _register_input_s_policy()
+        pol = {"zb-none": "none", "zb-pipeoptim": "pipeoptim", "zb-pipeoptim-sI": "pipeoptim-sI"}[method]
+        return dict(schedule="async-zb", policy=pol, microbatches=window), mbs
     pol = {"pipeoptim-paper": ("pipeoptim", {"mode": "paper"}),
            "pipeoptim-exact": ("pipeoptim", {"mode": "exact"})}.get(method, (method, {}))
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS} or s-<rule>")
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS + ZB_METHODS} or s-<rule>")
     return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
 
 
@@ -223,6 +258,12 @@ def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple
         for w in pipe.workers:
             for chunk, st in w.stages.items():
                 st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, D
+    if method == "zb-pipeoptim-sI":
+        from pipeoptim.schedules import input_version_difference
+        to_input = input_version_difference(pipe.schedule)
+        for w in pipe.workers:
+            for chunk, st in w.stages.items():
+                st.policy.input_s = {mb: float(s) for (stage, mb), s in to_input.items() if stage == chunk.stage}
     per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
     per_call = kw["microbatches"] // per_update  # updates per train_step
     curve, steps, t0, train_losses = [], 0, time.perf_counter(), []
@@ -381,7 +422,7 @@ def report(out: str) -> None:
         print(f"| method | seeds | {metric} (mean ± std) | paired Δ vs {ref} (same seeds) | {hit_col} (mean; runs that reached it) | final train loss "
               f"| extra weight bytes per stage (seed {by[next(iter(by))][0]['seed']}) | fraction of stage weights |")
         print("|---|---|---|---|---|---|---|---|")
-        for m in [m for m in METHODS + tuple(f"s-{r}" for r in S_RULES) if m in by]:
+        for m in [m for m in METHODS + ZB_METHODS + tuple(f"s-{r}" for r in S_RULES) if m in by]:
             rs = by[m]
             vals = [float(r[metric]) for r in rs]
             hits = [int(r[hit_col]) for r in rs if r[hit_col] != ""]
@@ -425,7 +466,8 @@ def _plot(out: str, suite: str, metric: str) -> None:
         mean = [statistics.mean(pts[x]) for x in xs]
         lo = [min(pts[x]) for x in xs]
         hi = [max(pts[x]) for x in xs]
-        line, = ax.plot(xs, mean, label=m, lw=1.6 if m in ("sync", "pipeoptim-exact", "s-schedule") else 1.0)
+        line, = ax.plot(xs, mean, label=m, lw=1.6 if m in ("sync", "pipeoptim-exact", "s-schedule", "zb-pipeoptim")
+                        else 1.0)
         ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
     cfg = SUITES[suite]
     ax.set_xlabel("optimizer updates")

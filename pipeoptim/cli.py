@@ -60,12 +60,14 @@ def _positive_float(text: str) -> float:
 
 # ---- pipeoptim schedule ---------------------------------------------------------------------------------
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="gpipe, 1f1b, interleaved, chimera, bitpipe, async-1f1b or 2bw")
+    p.add_argument("name", help="gpipe, 1f1b, interleaved, chimera, bitpipe, zb-h1, zbv, dualpipev, async-1f1b, "
+                   "async-zb or 2bw")
     p.add_argument("--devices", "-D", type=_positive_int, required=True, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=_positive_int, required=True, help="micro-batches N")
     p.add_argument("--chunks", type=_positive_int, default=None, help="interleaved: chunks per device v")
     p.add_argument("--bwd-ratio", type=_positive_float, default=2.0,
                    help="backward cost / forward cost (default 2)")
+    _weight_share_argument(p)
     p.add_argument("--concat", choices=("reference", "paced"), default="reference",
                    help="chimera/bitpipe: how groups of D micro-batches are joined (default reference)")
     p.add_argument("--update-every", type=_positive_int, default=None, help="2bw: micro-batches per update m")
@@ -78,9 +80,29 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-grid", action="store_true", help="do not print the grid")
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (exclusive), got {text}")
+    return value
+
+
+def _weight_share_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weight-share", type=_share, default=0.5,
+                   help="share of the backward that is the weight gradient W of a split backward; the input "
+                        "gradient I is the rest (default 0.5: I = W)")
+
+
+def _costs(forward: float, bwd_ratio: float, weight_share: float, **others):
+    from .sim import Costs
+    backward = forward * bwd_ratio
+    return Costs(forward=forward, backward=backward, backward_input=backward * (1 - weight_share),
+                 backward_weight=backward * weight_share, **others)
+
+
 def _schedule_run(args: argparse.Namespace) -> int:
     from .schedules import ScheduleConfigError, get_schedule, validate
-    from .sim import Costs, simulate
+    from .sim import simulate
     try:
         schedule = get_schedule(args.name, args.devices, args.microbatches, chunks=args.chunks,
                                 concat=args.concat, bwd_ratio=args.bwd_ratio, update_every=args.update_every,
@@ -89,7 +111,7 @@ def _schedule_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     validate(schedule)
-    result = simulate(schedule, Costs(forward=1.0, backward=args.bwd_ratio))
+    result = simulate(schedule, _costs(1.0, args.bwd_ratio, args.weight_share))
     if not args.no_grid:
         from .viz import text_grid
         print(text_grid(result))
@@ -107,7 +129,10 @@ def _schedule_run(args: argparse.Namespace) -> int:
         with open(args.csv, "w") as f:
             f.write(schedule.to_csv())
         print(f"wrote {args.csv}")
-    print(f"makespan: {result.makespan:g} (forward of one D-th of the model = 1, backward = {args.bwd_ratio:g})")
+    split = (f"; split: I = {args.bwd_ratio * (1 - args.weight_share):g}, W = "
+             f"{args.bwd_ratio * args.weight_share:g}" if schedule.split_backward else "")
+    print(f"makespan: {result.makespan:g} (forward of one D-th of the model = 1, backward = {args.bwd_ratio:g}"
+          f"{split})")
     print(f"peak activations per device: {', '.join(f'{v:g}' for v in result.peak_activations)}")
     print(f"bubble ratio: {result.bubble_ratio:.6f}")
     return 0
@@ -144,6 +169,7 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bwd-ratio", type=_positive_float, nargs="+", default=[1.0, 2.0],
                    help="backward/forward cost ratios to compare (default: 1 2)")
     p.add_argument("--chunks", type=_positive_int, default=2, help="interleaved: chunks per device (default 2)")
+    _weight_share_argument(p)
     p.add_argument("--p2p-latency", type=float, default=0.0, help="per-hop latency (forward time units)")
     p.add_argument("--p2p-bandwidth", type=float, default=float("inf"),
                    help="activation sizes per forward time unit (default: free communication)")
@@ -156,15 +182,15 @@ def _compare_run(args: argparse.Namespace) -> int:
     import csv
 
     from .schedules import SCHEDULES, ScheduleConfigError
-    from .sim import Costs, compare
+    from .sim import compare
     unknown = [n for n in (args.schedules or []) if n not in SCHEDULES]
     if unknown:
         print(f"error: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}", file=sys.stderr)
         return 2
     by_ratio: dict[float, list[dict]] = {}
     for ratio in args.bwd_ratio:
-        costs = Costs(forward=1.0, backward=ratio, p2p_latency=args.p2p_latency,
-                      p2p_bandwidth=args.p2p_bandwidth)
+        costs = _costs(1.0, ratio, args.weight_share, p2p_latency=args.p2p_latency,
+                       p2p_bandwidth=args.p2p_bandwidth)
         try:
             rows = compare(args.devices, args.microbatches, costs, args.schedules, chunks=args.chunks)
         except ScheduleConfigError as e:

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from .schedules.actions import Action, Backward, Forward, Step, Sync
+from .schedules.actions import (Action, Backward, BackwardInput, BackwardWeight, Forward, Step, Sync,
+                                weight_grad_action)
 from .schedules.dataflow import Transfer, output_transfer
 from .schedules.errors import ScheduleConfigError, ScheduleError
 from .schedules.grid import format_grid
@@ -41,6 +42,9 @@ class Costs:
     """Per-operation costs (module docstring for units and scaling).
 
     forward, backward:     compute time of one micro-batch.
+    backward_input, backward_weight:  the two halves of a split backward (``I``, ``W``); None: half of
+                           ``backward`` each (the zero-bubble paper's usual assumption I = W). A full ``B``
+                           always costs ``backward``.
     step:                  optimizer step of one chunk.
     predict:               weight prediction before a forward whose version difference s > 0 (only when
                            ``simulate(..., prediction=True)``).
@@ -55,6 +59,8 @@ class Costs:
     """
     forward: PerStage = 1.0
     backward: PerStage = 2.0
+    backward_input: PerStage | None = None
+    backward_weight: PerStage | None = None
     step: PerStage = 0.0
     predict: PerStage = 0.0
     p2p_latency: float = 0.0
@@ -77,6 +83,8 @@ class Costs:
 
     def per_stage(self, name: str, schedule: Schedule, scaled: bool = True) -> list[float]:
         value = getattr(self, name)
+        if value is None and name in ("backward_input", "backward_weight"):
+            return [b / 2.0 for b in self.per_stage("backward", schedule, scaled)]
         S = schedule.num_stages
         if isinstance(value, (int, float)):
             scale = schedule.num_devices / S if scaled else 1.0
@@ -96,7 +104,7 @@ class SimResult:
     timeline: Timeline
     makespan: float
     busy: list[float]
-    peak_activations: list[float]     # activation memory held at once (Costs.activation_memory units)
+    peak_activations: list[float]     # activation memory held at once, from F until B or W (activation_memory units)
     weight_copies: list[float]        # weights held, in D-ths of the model (2 for Chimera and BitPipe)
     peak_weight_versions: list[float]  # weight versions weight stashing would keep, in D-ths of the model
     p2p_bytes: list[float]
@@ -137,11 +145,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
     s = schedule.compute_only()
     D = s.num_devices
     fwd, bwd = costs.per_stage("forward", s), costs.per_stage("backward", s)
+    bwd_in, bwd_w = costs.per_stage("backward_input", s), costs.per_stage("backward_weight", s)
     step, pred = costs.per_stage("step", s), costs.per_stage("predict", s)
     act_bytes = costs.per_stage("activation_bytes", s, scaled=False)
     params = costs.per_stage("param_bytes", s)
     act_mem = costs.per_stage("activation_memory", s)
-    for name, values in (("forward", fwd), ("backward", bwd)):
+    for name, values in (("forward", fwd), ("backward", bwd), ("backward_input", bwd_in),
+                         ("backward_weight", bwd_w)):
         if any(v <= 0 for v in values):
             raise ValueError(f"Costs.{name} must be positive on every stage, got {values}")
     stale = version_difference(s) if prediction else {}
@@ -151,6 +161,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
             return fwd[a.stage] + (pred[a.stage] if stale.get((a.stage, a.mb), 0) > 0 else 0.0)
         if isinstance(a, Backward):
             return bwd[a.stage]
+        if isinstance(a, BackwardInput):
+            return bwd_in[a.stage]
+        if isinstance(a, BackwardWeight):
+            return bwd_w[a.stage]
         if isinstance(a, Step):
             return step[a.stage]
         return 0.0
@@ -194,7 +208,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
                 level += act_mem[a.stage]
                 peak = max(peak, level)
                 used[(a.chunk, a.mb)] = current[a.chunk]
-            elif isinstance(a, Backward):
+            elif weight_grad_action(a):        # the runtime keeps a split backward's graph until its W
                 level -= act_mem[a.stage]
                 used.pop((a.chunk, a.mb))
             elif isinstance(a, Step):
@@ -203,7 +217,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
                 ar_bytes[d] += _ring(members(a)) * sync_bytes(a)
             alive = {(c, v) for (c, _), v in used.items()} | {(c, v) for c, v in current.items()}
             peak_versions = max(peak_versions, len(alive) * unit)
-            if isinstance(a, (Forward, Backward)):
+            if isinstance(a, (Forward, Backward, BackwardInput)):
                 tr = output_transfer(s, a)
                 if tr is not None and not tr.local:
                     p2p_bytes[d] += boundary_bytes(tr)
@@ -216,22 +230,24 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
 
 
 def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = None, repeats: int = 5,
-                   warmup: int = 2) -> dict:
+                   warmup: int = 2, split: bool = False) -> dict:
     """Measure each stage module's forward and backward time (seconds) on this machine, one micro-batch.
 
     ``stages`` are torch modules applied in sequence to ``example_input``; ``loss_fn(output)`` turns the last
     output into a scalar (default: sum). Returns ``forward``, ``backward`` (per-stage medians),
     ``activation_bytes`` (each stage's output size) and ``param_bytes`` (per stage), ready for
     ``Costs.from_measurements(r["forward"], r["backward"], activation_bytes=r["activation_bytes"],
-    param_bytes=r["param_bytes"])``.
+    param_bytes=r["param_bytes"])``. ``split=True`` also times the runtime's split backward, the input pass
+    and the weight pass (``backward_input``, ``backward_weight``), in every repeat after the full backward.
     """
     import torch  # imported here so that schedule tooling never needs torch
 
     loss_fn = loss_fn or (lambda out: out.float().sum())
-    fwd_t: list[list[float]] = [[] for _ in stages]
-    bwd_t: list[list[float]] = [[] for _ in stages]
-    out_bytes = [0.0] * len(stages)
-    for rep in range(warmup + repeats):
+    n = len(stages)
+    times = {k: [[] for _ in stages] for k in ("forward", "backward", "backward_input", "backward_weight")}
+    out_bytes = [0.0] * n
+
+    def forward(record: bool):
         x = example_input.detach()
         inputs, outputs = [], []
         for k, stage in enumerate(stages):
@@ -242,11 +258,16 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
             inputs.append(x)
             outputs.append(y)
             out_bytes[k] = float(y.numel() * y.element_size())
-            if rep >= warmup:
-                fwd_t[k].append(t1 - t0)
+            if record:
+                times["forward"][k].append(t1 - t0)
             x = y
+        return inputs, outputs
+
+    for rep in range(warmup + repeats):
+        record = rep >= warmup
+        inputs, outputs = forward(record)
         grad = None
-        for k in reversed(range(len(stages))):
+        for k in reversed(range(n)):
             t0 = time.perf_counter()
             if grad is None:
                 loss_fn(outputs[k]).backward()
@@ -254,17 +275,33 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
                 torch.autograd.backward(outputs[k], grad)
             t1 = time.perf_counter()
             grad = inputs[k].grad
-            if rep >= warmup:
-                bwd_t[k].append(t1 - t0)
+            if record:
+                times["backward"][k].append(t1 - t0)
+        if split:
+            from .runtime.split_backward import input_pass, weight_pass
+            inputs, outputs = forward(False)
+            grad = None
+            for k in reversed(range(n)):
+                out, gout = ((loss_fn(outputs[k]),), None) if grad is None else ((outputs[k],), (grad,))
+                t0 = time.perf_counter()
+                (grad,), work = input_pass(out, gout, (inputs[k],), list(stages[k].parameters()))
+                t1 = time.perf_counter()
+                weight_pass(work)
+                t2 = time.perf_counter()
+                if record:
+                    times["backward_input"][k].append(t1 - t0)
+                    times["backward_weight"][k].append(t2 - t1)
         for stage in stages:
             stage.zero_grad(set_to_none=True)
 
     def median(v: list[float]) -> float:
         v = sorted(v)
         return v[len(v) // 2]
-    return {"forward": [median(v) for v in fwd_t], "backward": [median(v) for v in bwd_t],
-            "activation_bytes": out_bytes,
-            "param_bytes": [float(sum(p.numel() * p.element_size() for p in st.parameters())) for st in stages]}
+    out = {k: [median(v) for v in times[k]] for k in (("forward", "backward", "backward_input", "backward_weight")
+                                                       if split else ("forward", "backward"))}
+    out["activation_bytes"] = out_bytes
+    out["param_bytes"] = [float(sum(p.numel() * p.element_size() for p in st.parameters())) for st in stages]
+    return out
 
 
 def with_ratio(costs: Costs, bwd_ratio: float) -> Costs:

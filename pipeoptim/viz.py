@@ -1,15 +1,16 @@
 """Pictures of a simulated schedule: the text grid, a PNG chart and a Chrome/Perfetto trace.
 
 All three draw a ``sim.SimResult`` (a schedule timed with costs), so what is drawn is what was measured.
-The PNG has one row per device, one box per forward/backward coloured by micro-batch (backward darker,
-up-replica boxes hatched), steps and syncs as thin bars, and a grey background where the device is idle.
+The PNG has one row per device, one box per forward/backward coloured by micro-batch (backward darker, the
+weight-gradient half of a split backward darkest and dotted, up-replica boxes hatched), steps and syncs as thin
+bars, and a grey background where the device is idle.
 The trace opens in chrome://tracing or ui.perfetto.dev with one track per device.
 """
 from __future__ import annotations
 
 import json
 
-from .schedules.actions import Backward, Forward, Step, Sync
+from .schedules.actions import Backward, BackwardInput, BackwardWeight, Forward, Step, Sync, is_compute
 from .schedules.grid import format_grid, label
 from .sim import SimResult
 
@@ -48,11 +49,17 @@ def save_png(result: SimResult, path: str, title: str | None = None, time_unit: 
     for d, recs in enumerate(result.timeline.records):
         for r in recs:
             a, dur = r.action, r.end - r.start
-            if isinstance(a, (Forward, Backward)):
+            if is_compute(a):
                 base = to_rgb(colours[a.mb % len(colours)])
-                face = tuple(0.35 + 0.65 * c for c in base) if isinstance(a, Forward) else tuple(0.8 * c for c in base)
+                if isinstance(a, Forward):
+                    face = tuple(0.35 + 0.65 * c for c in base)
+                elif isinstance(a, BackwardWeight):
+                    face = tuple(0.55 * c for c in base)
+                else:
+                    face = tuple(0.8 * c for c in base)
+                hatch = "///" if a.replica == 1 else (".." if isinstance(a, BackwardWeight) else None)
                 ax.add_patch(plt.Rectangle((r.start, d - 0.4), dur, 0.8, facecolor=face, edgecolor="black",
-                                           lw=0.4, hatch="///" if a.replica == 1 else None, zorder=2))
+                                           lw=0.4, hatch=hatch, zorder=2))
                 text = label(s, a)
                 size = min(8.0, dur * points_per_unit / (0.62 * len(text)))
                 if size >= 4.0:
@@ -71,6 +78,9 @@ def save_png(result: SimResult, path: str, title: str | None = None, time_unit: 
                Patch(facecolor="#2b6a99", edgecolor="black", label="backward (dark)"),
                Patch(facecolor="#e6e6e6", label="idle"),
                Patch(facecolor="black", label="optimizer step")]
+    if s.split_backward:
+        handles[1] = Patch(facecolor="#2b6a99", edgecolor="black", label="backward / input gradient I (dark)")
+        handles.insert(2, Patch(facecolor="#1c4766", edgecolor="black", hatch="..", label="weight gradient W"))
     if s.num_replicas > 1:
         handles.insert(2, Patch(facecolor="white", edgecolor="black", hatch="///", label="up replica"))
     if any(isinstance(a, Sync) for acts in s.actions for a in acts):
@@ -95,9 +105,10 @@ def chrome_trace(result: SimResult, us_per_unit: float = 1000.0) -> dict:
         for r in recs:
             a = r.action
             args: dict = {"action": s.format(a), "index": r.index}
-            if isinstance(a, (Forward, Backward)):
+            if is_compute(a):
                 args.update(microbatch=a.mb, stage=a.stage, replica=a.replica)
-                cat = "forward" if isinstance(a, Forward) else "backward"
+                cat = {Forward: "forward", Backward: "backward", BackwardInput: "backward_input",
+                       BackwardWeight: "backward_weight"}[type(a)]
             elif isinstance(a, Step):
                 args.update(stage=a.stage, replica=a.replica)
                 cat = "step"

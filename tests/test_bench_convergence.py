@@ -72,3 +72,12 @@ def test_runs_and_report(tmp_path, one_thread, capsys):
     assert {r["method"] for r in summary} == {"sync", "stash", "2bw"}
     stash = next(r for r in summary if r["method"] == "stash")
     assert stash["extra_weight_bytes_per_stage"].split()[1] == "0"  # last stage never stashes
+
+
+def test_zero_bubble_methods_run_and_their_s_rules_differ(one_thread):
+    """zb-pipeoptim predicts up to the W (the runtime's s), zb-pipeoptim-sI only up to the I; both predict, so
+    both differ from zb-none, and from each other."""
+    rows = {m: bc.run_one("tiny", m, 0, TINY, window=4)[0] for m in bc.ZB_METHODS}
+    losses = {m: r["final_loss"] for m, r in rows.items()}
+    assert len(set(losses.values())) == 3, losses
+    assert rows["zb-pipeoptim"]["extra_weight_frac_per_stage"].split() == ["1.00", "1.00"]  # the last stage predicts too

@@ -76,3 +76,21 @@ def test_module_runs_as_a_script():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1].startswith("bubble ratio: ")
+
+
+def test_split_schedules_take_the_weight_share(tmp_path, capsys):
+    """ZB-H1 with I = 1.2 and W = 0.8 (B = 2F, W share 0.4): each device idles (D-1)(F + I - W) = 4.2."""
+    text = str(tmp_path / "zb.txt")
+    assert main(["schedule", "zb-h1", "-D", "4", "-N", "8", "--weight-share", "0.4", "--text", text]) == 0
+    out = capsys.readouterr().out.splitlines()
+    d3 = next(line for line in out if line.startswith("d3 |"))
+    assert "F0-" in d3 and "I0=" in d3 and "W0+" in d3
+    assert "split: I = 1.2, W = 0.8" in out[-3]
+    assert out[-1] == f"bubble ratio: {4.2 / (8 * 3 + 4.2):.6f}"
+    assert " W0s3 " in open(text).read()
+    assert main(["compare-schedules", "-D", "4", "-N", "8", "--bwd-ratio", "2", "--schedules", "1f1b", "zbv"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("1f1b", "zbv"))]
+    assert [r[0] for r in rows] == ["1f1b", "zbv"] and float(rows[1][1]) == pytest.approx(3 / 51, abs=1e-4)
+    with pytest.raises(SystemExit):
+        main(["schedule", "zbv", "-D", "4", "-N", "8", "--weight-share", "1"])
+    assert "must be between 0 and 1" in capsys.readouterr().err

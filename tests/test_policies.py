@@ -109,6 +109,31 @@ def test_contract_errors(name):
     assert pol.in_flight == ()
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_split_backward_contract_errors(name):
+    model, optimizer, pol, _ = build(name, update_every=4) if name == "2bw" else build(name)
+    with pol.forward("a", s=1):
+        model(XWT.example())
+    with pytest.raises(ValueError, match="part must be one of full, input, weight"):
+        with pol.backward("a", part="both"):
+            pass
+    with pytest.raises(ValueError, match="runs after its input part"):
+        with pol.backward("a", part="weight"):
+            pass
+    with pol.backward("a", part="input"):
+        pass
+    assert pol.in_flight == ("a",) and not pol.should_step()      # no gradient before the weight part
+    for part in ("input", "full"):
+        with pytest.raises(ValueError, match="already ran the input part"):
+            with pol.backward("a", part=part):
+                pass
+    with pol.backward("a", part="weight"):
+        pass
+    assert pol.in_flight == ()
+    if name != "2bw":
+        assert pol.should_step()
+
+
 def test_2bw_needs_update_every():
     model = XWT()
     with pytest.raises(TypeError, match="update_every"):
@@ -155,6 +180,61 @@ def test_three_in_flight_each_backward_reads_what_the_policy_defines(name, model
         f.backward_and_check(model, pol, wb, s=s_back)
         assert pol.should_step()
         assert pol.step()
+
+
+@pytest.mark.parametrize("model_cls", [XWT, MLP])
+@pytest.mark.parametrize("name", ["none", "stash", "pipeoptim", "spectrain"])
+def test_split_backward_parts_read_what_the_policy_defines_with_steps_between_them(name, model_cls):
+    """async-zb's pattern on one stage: F0 F1 F2, then I0 I1 W0 step I2 W1 step W2 step. Each input part reads
+    the policy's backward weights at its time (stash: the forward's version; none, pipeoptim: the real weights
+    then; spectrain: its backward prediction then); each weight part, after steps, adds exactly the weight
+    gradients of an unsplit backward at its input part's time (these models' weight gradients do not read the
+    weights themselves). Stash keeps a version until the weight part."""
+    from pipeoptim.runtime.split_backward import input_pass, weight_pass
+    model, optimizer, pol, last = build(name, model_cls=model_cls)
+    gen = torch.Generator().manual_seed(11)
+    s_back = 1.0 if name == "spectrain" else 0
+    flights = []
+    for mb, s in enumerate((3.0, 2.0, 1.0)):
+        if name == "pipeoptim":
+            wf = {n: reference_prediction(optimizer, p, last[n], s) for n, p in model.named_parameters()}
+        elif name == "spectrain":
+            wf = smoothed(optimizer, model, s)          # Flight passes no look-ahead to the forward
+        else:
+            wf = params64(model)
+        flights.append(Flight(model, pol, mb, s, wf, gen))
+    params = list(model.parameters())
+    expected, works = {}, {}
+
+    def input_part(f):
+        wb = f.wf if name == "stash" else smoothed(optimizer, model, s_back) if name == "spectrain" else \
+            params64(model)
+        expected[f.mb] = type(model).manual(f.x.detach().double(), f.gy.double(), f.wf, wb)
+        with pol.backward(f.mb, s=s_back, part="input"):
+            (gx,), works[f.mb] = input_pass([f.y], [f.gy], (f.x,), params)
+        err = (gx.double() - expected[f.mb][0]).abs().max()
+        assert torch.allclose(gx.double(), expected[f.mb][0], atol=1e-5), err
+
+    def weight_part(f):
+        before = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        with pol.backward(f.mb, s=s_back, part="weight"):
+            weight_pass(works.pop(f.mb))
+        for n, p in model.named_parameters():
+            added = p.grad.double() - before[n]
+            want = expected[f.mb][1][n]
+            assert torch.allclose(added, want, atol=1e-5), (n, (added - want).abs().max())
+        assert pol.should_step()
+        assert pol.step()
+
+    input_part(flights[0])
+    input_part(flights[1])
+    weight_part(flights[0])
+    input_part(flights[2])                      # one step after its forward's version: stash still holds it
+    if name == "stash":
+        assert pol.memory_report()["stash"] > 0
+    weight_part(flights[1])
+    weight_part(flights[2])
+    assert pol.in_flight == ()
 
 
 def test_2bw_accumulates_m_microbatches_with_two_versions():

@@ -2,8 +2,9 @@
 accepted."""
 import pytest
 
-from pipeoptim.schedules.actions import (Backward, Chunk, Forward, Handoff, Recv, Send, Step, Sync, format_action,
-                                         is_compute, parse_action)
+from pipeoptim.schedules.actions import (Backward, BackwardInput, BackwardWeight, Chunk, Forward, Handoff, Recv, Send,
+                                         Step, Sync, format_action, input_grad_action, is_compute, parse_action,
+                                         weight_grad_action)
 
 EXAMPLES = [
     (Forward(3, 5), "F3s5"),
@@ -18,6 +19,11 @@ EXAMPLES = [
     (Send(Forward(3, 5), 2), "SEND:F3s5@2"),
     (Recv(Backward(3, 4, 1), 1), "RECV:B3<s4@1"),
     (Handoff(Forward(3, 3)), "HAND:F3s3"),
+    (BackwardInput(3, 5), "I3s5"),
+    (BackwardWeight(2, 4, 1), "W2<s4"),
+    (Send(BackwardInput(3, 5), 2), "SEND:I3s5@2"),
+    (Recv(BackwardInput(3, 4, 1), 1), "RECV:I3<s4@1"),
+    (Handoff(BackwardInput(0, 4)), "HAND:I0s4"),
 ]
 
 
@@ -32,7 +38,7 @@ def test_tokens_print_and_parse_back(action, token):
 def test_directed_tokens_parse_back(action, token):
     directed = format_action(action, directed=True)
     assert parse_action(directed) == action
-    if isinstance(action, (Forward, Backward)) and action.replica == 0:
+    if is_compute(action) and action.replica == 0:
         assert directed == token.replace("s", ">s", 1)
 
 
@@ -44,6 +50,12 @@ def test_actions_are_small_frozen_hashable_values():
     assert Forward(1, 2) != Backward(1, 2)
     assert Forward(1, 2, 1).chunk == Chunk(1, 2)
     assert is_compute(Backward(0, 0)) and not is_compute(Step(0))
+    assert is_compute(BackwardInput(0, 0)) and is_compute(BackwardWeight(0, 0))
+    assert BackwardInput(1, 2) != Backward(1, 2) != BackwardWeight(1, 2)
+    assert [input_grad_action(a) for a in (Backward(0, 0), BackwardInput(0, 0), BackwardWeight(0, 0))] == \
+        [True, True, False]
+    assert [weight_grad_action(a) for a in (Backward(0, 0), BackwardInput(0, 0), BackwardWeight(0, 0))] == \
+        [True, False, True]
 
 
 @pytest.mark.parametrize("bad", ["X1s0", "F1", "Fs0", "F-1s0", "STEP:s", "SYNC:@0", "SEND:F1s0", "F1^s0", ""])
@@ -54,7 +66,9 @@ def test_unreadable_tokens_name_the_accepted_forms(bad):
 
 @pytest.mark.parametrize("make", [lambda: Forward(-1, 0), lambda: Backward(0, 0, 2), lambda: Step(0, 5),
                                   lambda: Sync((), (0,)), lambda: Sync((1, 1), (0,)), lambda: Sync((1,), ()),
-                                  lambda: Send(Step(0), 1), lambda: Forward(1.5, 0)])
+                                  lambda: Send(Step(0), 1), lambda: Forward(1.5, 0),
+                                  lambda: Send(BackwardWeight(0, 1), 0), lambda: Handoff(BackwardWeight(0, 1)),
+                                  lambda: BackwardWeight(0, 1, 2)])
 def test_invalid_values_are_refused(make):
     with pytest.raises(ValueError):
         make()

@@ -5,8 +5,9 @@ from pipeoptim.schedules import INFO, SCHEDULES, ScheduleConfigError, get_schedu
 
 
 def test_all_names_are_registered():
-    assert SCHEDULES == ["gpipe", "1f1b", "interleaved", "chimera", "bitpipe", "async-1f1b", "2bw"]
-    assert [n for n in SCHEDULES if not INFO[n].synchronous] == ["async-1f1b", "2bw"]
+    assert SCHEDULES == ["gpipe", "1f1b", "interleaved", "chimera", "bitpipe", "zb-h1", "zbv", "dualpipev",
+                         "async-1f1b", "async-zb", "2bw"]
+    assert [n for n in SCHEDULES if not INFO[n].synchronous] == ["async-1f1b", "async-zb", "2bw"]
 
 
 @pytest.mark.parametrize("name,kwargs,message", [
@@ -22,6 +23,8 @@ def test_all_names_are_registered():
     ("1f1b", dict(devices=4, microbatches=4, chunks=2), "interleaved schedule only"),
     ("1f1b", dict(devices=0, microbatches=4), "positive integer"),
     ("1f1b", dict(devices=4, microbatches=4, concat="paced"), "chimera and bitpipe schedules only"),
+    ("dualpipev", dict(devices=4, microbatches=7), "dualpipev needs at least twice as many micro-batches as "
+     "devices, one per stage of its V (got 7 micro-batches on 4 devices); use --microbatches 8, or the zbv"),
     ("zb", dict(devices=4, microbatches=4), "unknown schedule 'zb'; choose one of gpipe, 1f1b"),
 ])
 def test_rules_give_clear_errors(name, kwargs, message):

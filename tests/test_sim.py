@@ -100,7 +100,8 @@ def test_memory_weight_versions_and_traffic():
 def test_compare_rows_and_steady_state_of_async_schedules():
     rows = {r["schedule"]: r for r in compare(4, 8, Costs(forward=1.0, backward=2.0))}
     assert set(rows) == {"gpipe", "1f1b", "interleaved", "chimera[reference]", "chimera[paced]",
-                         "bitpipe[reference]", "bitpipe[paced]", "async-1f1b", "2bw"}
+                         "bitpipe[reference]", "bitpipe[paced]", "zb-h1", "zbv", "dualpipev", "async-1f1b",
+                         "async-zb", "2bw"}
     assert rows["1f1b"]["steady_bubble"] == rows["1f1b"]["bubble_ratio"] == pytest.approx(3 / 11)
     assert rows["async-1f1b"]["steady_bubble"] == pytest.approx(0.0)     # no flush: a long run has no bubble
     rows = {r["schedule"]: r for r in compare(4, 6)}
@@ -118,3 +119,26 @@ def test_profiled_stage_times_feed_the_simulator():
     r = simulate(get_schedule("1f1b", 2, 4), costs)
     busiest = max(p["forward"][k] + p["backward"][k] for k in range(2))
     assert 4 * busiest <= r.makespan <= 4 * (sum(p["forward"]) + sum(p["backward"]))   # overlap, never serial+
+
+
+def test_profiled_split_backward_times_feed_the_simulator():
+    import torch
+    stages = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(2)]
+    p = profile_stages(stages, torch.randn(4, 16), repeats=2, warmup=1, split=True)
+    assert len(p["backward_input"]) == len(p["backward_weight"]) == 2
+    assert min(p["backward_input"] + p["backward_weight"]) > 0
+    assert all(p.grad is None for st in stages for p in st.parameters())   # gradients of the timing runs dropped
+    costs = Costs.from_measurements(p["forward"], p["backward"], backward_input=p["backward_input"],
+                                    backward_weight=p["backward_weight"])
+    r = simulate(get_schedule("zb-h1", 2, 4), costs)
+    assert r.busy[0] == pytest.approx(4 * (p["forward"][0] + p["backward_input"][0] + p["backward_weight"][0]))
+
+
+def test_split_costs_default_to_half_the_backward_and_scale_like_it():
+    s = get_schedule("zbv", 2, 3)                 # 4 stages on 2 devices: a chunk is half of one D-th
+    r = simulate(s, Costs(forward=1.0, backward=3.0))
+    assert r.busy[0] == pytest.approx(2 * 3 * (0.5 + 0.75 + 0.75))
+    r = simulate(s, Costs(forward=1.0, backward=3.0, backward_input=2.0, backward_weight=1.0))
+    assert r.busy[0] == pytest.approx(2 * 3 * (0.5 + 1.0 + 0.5))
+    with pytest.raises(ValueError, match="backward_weight must be positive"):
+        simulate(s, Costs(backward_weight=0.0))

@@ -1,7 +1,8 @@
-"""Cross-check with torch.distributed.pipelining: our gpipe/1f1b/interleaved orders, exported as torch's
-per-rank action CSV, are accepted and executed by torch's own runtime on gloo, and give the gradients of
-single-process training; and our 1F1B / interleaved orders equal torch's built-in ones (same compute sequence
-per rank; torch only adds idle slots for its grid and REDUCE_GRAD markers)."""
+"""Cross-check with torch.distributed.pipelining: our gpipe/1f1b/interleaved orders and the split-backward ones
+(zb-h1, zbv, dualpipev: I and W actions), exported as torch's per-rank action CSV, are accepted and executed by
+torch's own runtime on gloo, and give the gradients of single-process training; and our 1F1B / interleaved /
+ZB-H1 / ZBV / DualPipeV orders equal torch's built-in ones (same compute sequence per rank; torch only adds idle
+slots for its grid and REDUCE_GRAD markers)."""
 from __future__ import annotations
 
 import csv
@@ -95,7 +96,7 @@ def test_two_replica_schedules_are_refused_with_a_reason():
 @needs_torch_runtime
 @pytest.mark.parametrize("name,devices,microbatches,chunks", [
     ("gpipe", 2, 3, None), ("1f1b", 4, 2, None), ("1f1b", 3, 7, None), ("interleaved", 2, 4, 2),
-    ("interleaved", 4, 8, 3)])
+    ("interleaved", 4, 8, 3), ("zb-h1", 4, 6, None), ("zbv", 4, 5, None), ("dualpipev", 4, 9, None)])
 def test_torch_validator_accepts_our_orders(name, devices, microbatches, chunks):
     from torch.distributed.pipelining.schedules import _Action, _validate_schedule
     s = get_schedule(name, devices, microbatches, chunks=chunks)
@@ -148,6 +149,45 @@ def test_our_interleaved_is_torchs_interleaved(devices, microbatches, chunks):
         pytest.skip(f"torch's interleaved order generator needs other private state in this version: {e}")
     ours = to_torch_rows(get_schedule("interleaved", devices, microbatches, chunks=chunks))
     assert [_compute_only(t) for t in theirs] == ours
+
+
+def _flat_order(order) -> list[str]:
+    """torch's drawn order as our tokens: idle slots dropped, an overlapped forward/backward pair unpacked."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+    out = []
+    for a in order:
+        if a is None:
+            continue
+        out += [str(x) for x in a.sub_actions] if a.computation_type == OVERLAP_F_B else [str(a)]
+    return out
+
+
+@needs_torch_runtime
+@pytest.mark.parametrize("devices", [2, 3, 4, 8])
+def test_our_zero_bubble_orders_are_torchs(devices):
+    """ZB-H1 equals torch's ZB1P with one stage per rank, ZBV its ScheduleZBVZeroBubble, DualPipeV its
+    ScheduleDualPipeV, for every N from 1 (2D for DualPipeV) to 3D+1; only their order generators are called."""
+    from torch.distributed.pipelining import schedules as ts
+    D = devices
+    try:
+        for N in range(1, 3 * D + 2):
+            zbv = ts.ScheduleZBVZeroBubble.__new__(ts.ScheduleZBVZeroBubble)
+            zbv.pp_group_size, zbv._n_microbatches, zbv.num_stages = D, N, 2 * D
+            assert [_flat_order(zbv._calculate_single_rank_operations(r)) for r in range(D)] == \
+                to_torch_rows(get_schedule("zbv", D, N)), f"zbv N={N}"
+            zb1 = ts.ScheduleInterleavedZeroBubble.__new__(ts.ScheduleInterleavedZeroBubble)
+            zb1.pp_group_size, zb1._n_microbatches, zb1.n_local_stages = D, N, 1
+            zb1.number_of_rounds = max(1, N // D)
+            zb1.microbatches_per_round = N // zb1.number_of_rounds
+            assert [_flat_order(zb1._calculate_single_rank_operations(r)) for r in range(D)] == \
+                to_torch_rows(get_schedule("zb-h1", D, N)), f"zb-h1 N={N}"
+            if N >= 2 * D:
+                dpv = ts.ScheduleDualPipeV.__new__(ts.ScheduleDualPipeV)
+                dpv.pp_group_size, dpv._n_microbatches, dpv.num_stages = D, N, 2 * D
+                assert [_flat_order(dpv._calculate_single_rank_operations(r)) for r in range(D)] == \
+                    to_torch_rows(get_schedule("dualpipev", D, N)), f"dualpipev N={N}"
+    except AttributeError as e:
+        pytest.skip(f"torch's zero-bubble order generators need other private state in this version: {e}")
 
 
 def _check_runtime(world: int, cases, tmp_path) -> None:
@@ -215,3 +255,12 @@ def test_torch_runtime_runs_our_orders_on_two_ranks(tmp_path):
 @pytest.mark.slow
 def test_torch_runtime_runs_our_orders_on_four_ranks(tmp_path):
     _check_runtime(4, [("1f1b", 2, None), ("interleaved", 4, 2)], tmp_path)
+
+
+@needs_torch_runtime
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_runtime_runs_our_split_backward_orders(world, tmp_path):
+    """torch executes our I/W actions (its BACKWARD_INPUT / BACKWARD_WEIGHT) with the gradients of plain training."""
+    _check_runtime(world, [("zb-h1", world + 2, None), ("zbv", 2 * world, None), ("dualpipev", 2 * world, None)],
+                   tmp_path)

@@ -12,6 +12,9 @@ SpecTrain's and PipeOptim's predictions. The executor codes against `WeightPolic
     ...
     with policy.backward(mb, s=s_bwd):                             # s_bwd: SpecTrain's backward look-ahead
         torch.autograd.backward(y, dy)
+    # or split (zero-bubble schedules): the input gradient now, the weight gradient later
+    with policy.backward(mb, s=s_bwd, part="input"):  ...          # torch.autograd.grad on the inputs
+    with policy.backward(mb, s=s_bwd, part="weight"): ...          # the deferred parameter gradients
     if policy.should_step():                                       # every `update_every` backwards
         # executor's business here: all-reduce / clip / unscale policy.binding.grad_buffers() (one flat
         # buffer per param group), agree on overflow across stages
@@ -21,6 +24,12 @@ Rules for the executor:
 - `mb` is any hashable id, unique among micro-batches in flight on this stage; every forward under
   grad mode needs exactly one backward (`policy.discard(mb)` drops one that will never run backward).
 - Forwards and backwards on one stage never overlap in time (they may interleave freely).
+- A split backward runs its two parts inside `backward(mb, part="input")` and later `backward(mb,
+  part="weight")`; each part reads the weights this policy's backward reads, at the time the part runs (stash
+  and 2bw: the forward's version, kept until the weight part; none and pipeoptim: the real weights then;
+  spectrain: its backward prediction then). The micro-batch's gradient counts towards `should_step` and its
+  forward's version is released only after the weight part. For layers whose weight gradient does not read the
+  weight (linear, embedding, layer norm, convolutions) the two parts then compute exactly an unsplit backward.
 - s values are inputs; the schedule computes them (DESIGN.md §2). `s` may be fractional.
 - Only `policy.step()` should step the optimizer while forwards are in flight (it knows about stashes
   and fused predictions); LR schedulers may change the lr at any time between calls.
@@ -78,6 +87,7 @@ class WeightPolicy:
         self.update_every = update_every
         self.saved = SavedWeights(binding)
         self._in_flight: dict[Hashable, Any] = {}
+        self._input_done: set = set()  # micro-batches whose split backward ran its input part, not yet its weight part
         self._backwards = 0  # since the last step
         # bytes of the tensors forwards saved for their backwards (storages, counted once per forward), in
         # flight now and at most so far: the stage's activation memory under this schedule
@@ -110,14 +120,27 @@ class WeightPolicy:
             self.peak_activation_bytes = max(self.peak_activation_bytes, self._act_now)
 
     @contextmanager
-    def backward(self, mb: Hashable, s: float = 0) -> Iterator[None]:
-        """Run micro-batch `mb`'s backward inside. `s`: SpecTrain's backward look-ahead; others ignore it."""
+    def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> Iterator[None]:
+        """Run micro-batch `mb`'s backward inside. `s`: SpecTrain's backward look-ahead; others ignore it.
+        `part`: "full", or "input" then "weight" for a backward split in two (module docstring)."""
         _check_s(s)
+        if part not in BACKWARD_PARTS:
+            raise ValueError(f"part must be one of {', '.join(BACKWARD_PARTS)}, got {part!r}")
         if mb not in self._in_flight:
             raise ValueError(f"micro-batch {mb!r} has no forward in flight on this stage (in flight: "
                              f"{list(self._in_flight)[:8]}); call backward once per forward")
+        if part == "weight" and mb not in self._input_done:
+            raise ValueError(f"micro-batch {mb!r}: the weight part of a split backward runs after its input part; "
+                             "call backward(mb, part='input') first")
+        if part != "weight" and mb in self._input_done:
+            raise ValueError(f"micro-batch {mb!r} already ran the input part of its backward; finish it with "
+                             "backward(mb, part='weight')")
         with self._backward_weights(mb, s):
             yield
+        if part == "input":
+            self._input_done.add(mb)
+            return
+        self._input_done.discard(mb)
         self._release(mb, self._in_flight.pop(mb))
         self._act_now -= self._act.pop(mb, 0)
         self._backwards += 1
@@ -146,6 +169,7 @@ class WeightPolicy:
     def discard(self, mb: Hashable) -> None:
         """Forget micro-batch `mb`'s forward (its backward will never run)."""
         if mb in self._in_flight:
+            self._input_done.discard(mb)
             self._release(mb, self._in_flight.pop(mb))
             self._act_now -= self._act.pop(mb, 0)
 
@@ -277,6 +301,9 @@ class WeightPolicy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"
+
+
+BACKWARD_PARTS = ("full", "input", "weight")
 
 
 def _check_s(s: object) -> None:

@@ -17,19 +17,24 @@ ASYNC_POLICIES = ("pipeoptim", "none", "stash", "2bw", "spectrain")
 
 
 def _generators() -> dict[str, Callable[..., Schedule]]:
-    from ..schedules import asynchronous, bidirectional, synchronous
+    from ..schedules import asynchronous, bidirectional, synchronous, zero_bubble
     return {
         "gpipe": synchronous.gpipe,
         "1f1b": synchronous.one_f_one_b,
         "interleaved": synchronous.interleaved,
         "chimera": bidirectional.chimera,
         "bitpipe": bidirectional.bitpipe,
+        "zb-h1": zero_bubble.zb_h1,
+        "zbv": zero_bubble.zbv,
+        "dualpipev": zero_bubble.dualpipev,
         "async-1f1b": asynchronous.async_1f1b,
+        "async-zb": asynchronous.async_zb,
         "2bw": asynchronous.two_bw,
     }
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "bitpipe", "async-1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "bitpipe", "zb-h1", "zbv", "dualpipev", "async-1f1b",
+             "async-zb", "2bw")
 _ALIASES = {"pipedream": "async-1f1b", "async": "async-1f1b", "async1f1b": "async-1f1b", "dapple": "1f1b"}
 
 
@@ -42,7 +47,7 @@ def stages_for(name: str, devices: int, chunks: int = 2) -> int:
     name = _ALIASES.get(name, name)
     if name == "interleaved":
         return devices * chunks
-    if name == "bitpipe":
+    if name in ("bitpipe", "zbv", "dualpipev"):
         return 2 * devices
     return devices
 
@@ -61,6 +66,9 @@ def _rules(name: str, D: int, N: int, params: dict) -> None:
     if name == "interleaved" and N % D:
         raise ConfigError(f"interleaved 1F1B needs micro-batches to be a multiple of the devices, got N={N}, "
                           f"D={D}: use N={(N // D + 1) * D}")
+    if name == "dualpipev" and N < 2 * D:
+        raise ConfigError(f"dualpipev needs at least 2 x devices micro-batches (one per stage of its V), got N={N}, "
+                          f"D={D}: use N={2 * D}, or schedule 'zbv'")
     if name == "2bw":
         m = params.get("update_every", D)
         if m < D:
@@ -102,7 +110,7 @@ def check_policy(schedule: Schedule, policy: str | None) -> str:
     if schedule.synchronous and policy != "none":
         raise ConfigError(f"schedule {schedule.name!r} is synchronous (every micro-batch sees the same weights), "
                           f"so weight policy {policy!r} has nothing to do; use policy 'none' or an asynchronous "
-                          "schedule ('async-1f1b', '2bw')")
+                          "schedule ('async-1f1b', 'async-zb', '2bw')")
     if policy == "2bw" and schedule.name != "2bw":
         raise ConfigError("policy '2bw' accumulates gradients over several micro-batches and needs the '2bw' "
                           "schedule (which steps every update_every backwards); use schedule '2bw'")

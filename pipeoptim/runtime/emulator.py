@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..schedules.actions import Backward, Forward, Step, Sync
+from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
 from ..schedules.dataflow import input_transfer, output_transfer
 from .executor import describe_failure
 from .plan import Plan, PipelineError
@@ -69,7 +69,9 @@ class Emulator:
                 while pos[d] < len(acts[d]):
                     a = acts[d][pos[d]]
                     try:
-                        if isinstance(a, (Forward, Backward)):
+                        if isinstance(a, BackwardWeight):
+                            w.backward_weight(a)
+                        elif is_compute(a):
                             if not ready(d, a):
                                 break
                             data = take(d, a)

@@ -2,7 +2,8 @@
 
 - Compute actions: the input comes from a local hand-off (chunks of one micro-batch on this device, e.g.
   BitPipe's V-turn), from the data (stage 0), or from ``comm.P2P`` (waited on just before the compute);
-  the output is posted at once to its consumer (``dataflow.output_transfer``).
+  the output is posted at once to its consumer (``dataflow.output_transfer``). A split backward's ``I`` moves
+  data like a backward; its ``W`` has no input and no output.
 - ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
   devices; with ``dp`` it also spans the data-parallel copies. Losses are scaled so that the sum is the mean
   over the iteration's micro-batches.
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..schedules.actions import Backward, Forward, Step, Sync
+from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
 from ..schedules.dataflow import input_transfer, output_transfer
 from .comm import P2P
 from .plan import Plan, PipelineError
@@ -107,7 +108,9 @@ class Executor:
         self._dp_done: set[int] = set()
         try:
             for i, action in enumerate(plan.actions[self.me]):
-                if isinstance(action, (Forward, Backward)):
+                if isinstance(action, BackwardWeight):
+                    w.backward_weight(action)
+                elif is_compute(action):
                     data = self._input(plan, action)
                     out = w.forward(action, data) if isinstance(action, Forward) else w.backward(action, data)
                     self._deliver(plan, action, out)
@@ -167,7 +170,7 @@ class Executor:
                                                                                               Forward(op.mb, op.stage, op.replica))
         if t is None:
             return None
-        if isinstance(op, Backward):  # gradient comes back from the consumer of this stage's forward output
+        if not isinstance(op, Forward):  # gradient comes back from the consumer of this stage's forward output
             src = t.dst
         else:
             src = t.src

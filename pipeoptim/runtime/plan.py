@@ -11,7 +11,8 @@ one place so the distributed executor and the single-process emulator cannot dis
   first-in first-out (as NCCL requires) even when it consumes them in another order;
 - the version difference s of every forward: the number of ``Step`` actions of the chunk between the
   micro-batch's forward and its backward in the device's list (DESIGN.md §2; it counts updates, so gradient
-  accumulation is included), and SpecTrain's backward look-ahead from a unit-cost timeline;
+  accumulation is included; a split backward ends at its ``W``, as ``schedules.staleness`` explains), and
+  SpecTrain's backward look-ahead from a unit-cost timeline;
 - how many backwards each ``Step`` covers (the policy's ``update_every``) and the loss scale that makes the
   accumulated gradient a mean over the micro-batches of one update (the loss is scaled exactly once, at
   the last stage).
@@ -22,7 +23,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..schedules.actions import Backward, Chunk, Forward, Handoff, Recv, Send, Step, Sync, is_compute
+from ..schedules.actions import (Backward, BackwardWeight, Chunk, Forward, Handoff, Recv, Send, Step, Sync,
+                                 is_compute, weight_grad_action)
 from ..schedules.dataflow import output_transfer
 from ..schedules.schedule import Schedule
 from ..schedules.timeline import run_timeline, unit_durations
@@ -88,9 +90,11 @@ class Plan:
                 continue
             for s in range(sched.num_stages):
                 d = sched.device_of(s, r)
-                kinds = (Forward,) if self.forward_only else (Forward, Backward)
-                for kind in kinds:
-                    op = kind(mb, s, r)
+                ops = [Forward(mb, s, r)]
+                if not self.forward_only:
+                    back = sched.backward_of(mb, s, r)
+                    ops += [back] + ([BackwardWeight(mb, s, r)] if not isinstance(back, Backward) else [])
+                for op in ops:
                     if op not in self.actions[d]:
                         missing.append(f"{sched.format(op)} is not in device {d}'s list")
         if missing:
@@ -132,7 +136,7 @@ class Plan:
             for a in row:
                 if isinstance(a, Forward):
                     fwd_at[(a.mb, a.chunk)] = steps_so_far[a.chunk]
-                elif isinstance(a, Backward):
+                elif weight_grad_action(a):           # the backward (or its W) completes the gradient
                     s_fwd[(a.mb, a.chunk)] = steps_so_far[a.chunk] - fwd_at[(a.mb, a.chunk)]
                     backwards_since[a.chunk] += 1
                 elif isinstance(a, Step):
@@ -173,21 +177,22 @@ class Plan:
     def s_backward(self) -> dict:
         """SpecTrain's backward look-ahead: steps the stage takes between the micro-batch's backward on this
         stage and its backward on stage 0 (when the update it contributes to is complete), timed at unit costs
-        with forward = backward."""
+        with forward = backward. A split backward counts from and to the ``W``, where its gradient completes."""
         tl = run_timeline(self.schedule, unit_durations(1.0))
         b_end: dict = {}
         steps: dict[tuple[int, Chunk], list[float]] = defaultdict(list)
         for d, recs in enumerate(tl.records):
             for r in recs:
-                if isinstance(r.action, Backward):
-                    b_end[r.action] = r.end
+                if weight_grad_action(r.action):
+                    b_end[(r.action.mb, r.action.stage, r.action.replica)] = r.end
                 elif isinstance(r.action, Step):
                     steps[(d, r.action.chunk)].append(r.end)
         out = {}
-        for op, t0 in b_end.items():
-            t1 = b_end.get(Backward(op.mb, 0, op.replica), t0)
-            d = self.schedule.device_of(op.stage, op.replica)
-            out[(op.mb, op.chunk)] = sum(1 for t in steps[(d, op.chunk)] if t0 < t <= t1)
+        for (mb, stage, replica), t0 in b_end.items():
+            t1 = b_end.get((mb, 0, replica), t0)
+            chunk = Chunk(replica, stage)
+            d = self.schedule.device_of(stage, replica)
+            out[(mb, chunk)] = sum(1 for t in steps[(d, chunk)] if t0 < t <= t1)
         return out
 
     # ---- collectives -----------------------------------------------------------------------------------

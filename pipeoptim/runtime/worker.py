@@ -8,7 +8,9 @@ The worker knows nothing of which weight policy runs: forwards run inside ``poli
 with s from the schedule (``Plan.s_forward``) and the backward's look-ahead (``Plan.s_backward``), backwards
 inside ``policy.backward(mb, s=look-ahead)``, and ``Step`` actions call
 ``policy.step(next_s=...)``. Every chunk's graph is cut at its boundary: inputs arrive detached and get
-``requires_grad``, so a backward runs one chunk and yields the gradients of that chunk's inputs.
+``requires_grad``, so a backward runs one chunk and yields the gradients of that chunk's inputs. A split
+backward runs its input-gradient pass (``I``) and later its weight-gradient pass (``W``, ``split_backward``) inside
+the policy's ``backward(..., part="input")`` and ``backward(..., part="weight")``.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..schedules.actions import Backward, Chunk, Forward, Step
+from ..schedules.actions import Backward, BackwardInput, BackwardWeight, Chunk, Forward, Step
 from .plan import Plan
+from .split_backward import input_pass, weight_pass
 
 __all__ = ["StageRuntime", "DeviceWorker", "as_tuple"]
 
@@ -61,6 +64,7 @@ class DeviceWorker:
         self.run_plan = plan or self.plan
         self.inputs, self.targets, self.train = inputs, targets, train
         self.saved: dict = {}
+        self.weight_work: dict = {}   # (mb, chunk) -> what a split backward's W still has to compute
         self.losses: dict[int, torch.Tensor] = {}
         self.local: dict = {}
         self.busy = 0.0
@@ -72,6 +76,10 @@ class DeviceWorker:
             left = ", ".join(str(k) for k in list(self.saved)[:4])
             raise RuntimeError(f"device {self.device} ended the iteration with forwards that never ran backward: "
                                f"{left}; the schedule misses their Backward actions")
+        if self.weight_work:
+            left = ", ".join(str(k) for k in list(self.weight_work)[:4])
+            raise RuntimeError(f"device {self.device} ended the iteration with split backwards whose weight "
+                               f"gradient never ran: {left}; the schedule misses their W actions")
         for st in self.stages.values():
             st.module.train(True)
 
@@ -121,11 +129,43 @@ class DeviceWorker:
             return checkpoint(st.module, *xs, use_reentrant=False)
         return st.module(*xs)
 
-    def backward(self, op: Backward, grads: tuple | None) -> tuple | None:
-        """Run ``op``; returns its input gradients to deliver (None on stage 0)."""
+    def backward(self, op: Backward | BackwardInput, grads: tuple | None) -> tuple | None:
+        """Run ``op`` (a full backward, or the input-gradient half ``I`` of a split one); returns its input
+        gradients to deliver (None on stage 0)."""
         t0 = time.perf_counter()
         st = self.stages[op.chunk]
         xs, outs = self.saved.pop((op.mb, op.chunk))
+        tensors, grad_tensors = self._output_grads(op, outs, grads)
+        lookahead = self.plan.s_backward.get((op.mb, op.chunk), 0)
+        if isinstance(op, BackwardInput):
+            params = [p for p in st.module.parameters() if p.requires_grad]
+            with st.policy.backward(op.mb, s=lookahead, part="input"):
+                dxs, work = input_pass(tensors, grad_tensors, xs, params)
+            self.weight_work[(op.mb, op.chunk)] = (work, lookahead)
+            self.busy += time.perf_counter() - t0
+            return None if op.stage == 0 else dxs
+        with st.policy.backward(op.mb, s=lookahead):
+            if tensors:
+                torch.autograd.backward(tensors, grad_tensors)
+        self.busy += time.perf_counter() - t0
+        if op.stage == 0:
+            return None
+        return tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs)
+
+    def backward_weight(self, op: BackwardWeight) -> None:
+        """Run ``op``: the weight gradients its ``I`` deferred, accumulated into the chunk's gradient buffer."""
+        t0 = time.perf_counter()
+        st = self.stages[op.chunk]
+        key = (op.mb, op.chunk)
+        if key not in self.weight_work:
+            raise RuntimeError(f"{op} runs before its input-gradient pass I{op.mb}s{op.stage}")
+        work, lookahead = self.weight_work.pop(key)
+        with st.policy.backward(op.mb, s=lookahead, part="weight"):
+            weight_pass(work)
+        self.busy += time.perf_counter() - t0
+
+    def _output_grads(self, op, outs: tuple, grads: tuple | None) -> tuple[list, list | None]:
+        """The tensors a backward starts from and their gradients (None on the last stage: the scaled loss)."""
         if self.plan.is_last(op.chunk):
             tensors, grad_tensors = list(outs), None
         else:
@@ -142,13 +182,7 @@ class DeviceWorker:
                                        "input in place or returned a gradient for a different tensor")
                 tensors.append(o)
                 grad_tensors.append(g.to(o.dtype))
-        with st.policy.backward(op.mb, s=self.plan.s_backward.get((op.mb, op.chunk), 0)):
-            if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
-        self.busy += time.perf_counter() - t0
-        if op.stage == 0:
-            return None
-        return tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs)
+        return tensors, grad_tensors
 
     # ---- weights ---------------------------------------------------------------------------------------
     def master_grads(self, chunks) -> list[torch.Tensor]:

@@ -28,13 +28,20 @@ Compute actions and their data flow (what the executor must honour)
     gradient of the loss with respect to this stage's output. Output: the gradient with respect to this
     stage's input, sent to the device holding (replica, stage - 1) (nothing on stage 0). The weight
     gradient is accumulated into the chunk's gradient buffer.
+``BackwardInput(mb, stage, replica)`` (``I``), ``BackwardWeight(mb, stage, replica)`` (``W``)
+    The backward split in two (zero-bubble schedules): ``I`` takes the place of ``Backward`` in the data flow
+    (same requirements, same input and output) but computes only the gradient of the stage's input, keeping
+    what the weight gradient needs; ``W``, later on the same device, computes the weight gradient and
+    accumulates it. Before ``W``: its ``I``. ``W`` has no input from and no output to another action, so it
+    can fill any idle slot. A micro-batch's stage runs either ``Backward`` or ``I`` and ``W``.
 
 Weight actions
 --------------
 ``Step(stage, replica)``
     Apply the optimizer to this device's copy of (replica, stage) with the gradient accumulated since its
     previous ``Step`` (synchronous schedules: one ``Step`` per chunk per iteration after all its backwards;
-    asynchronous ones: after every backward, or every m backwards). If a ``Sync`` covering the stage comes
+    asynchronous ones: after every backward, or every m backwards). A split backward's gradient exists only
+    after its ``W``, so a ``Step`` counts ``Backward`` and ``W`` actions, never ``I``. If a ``Sync`` covering the stage comes
     before it in this device's list, the step uses the synchronised gradient and must wait for that sync.
 ``Sync(stages, devices, dp)``
     All-reduce (average) the gradients of the local chunks of ``stages`` among ``devices`` (pipeline ranks of
@@ -57,14 +64,17 @@ also safe, the order is deadlock-free under rendezvous semantics) and file it un
 its input from the data loader (stage 0), the filed receive, or the hand-off buffer; run it; keep what its
 backward needs. ``Send``: send that output (``isend``). ``Handoff``: put that output in the hand-off buffer of
 the consumer op. ``Backward``: take the output gradient from the loss (last stage), a receive or the hand-off
-buffer; accumulate weight gradients; free the activations. ``Sync``: all-reduce the gradients of the local
-chunks of its stages among its devices (and the data-parallel group if ``dp``); it may run asynchronously,
-but a later ``Step`` of those stages must wait for it. ``Step``: optimizer step of that chunk, then zero its
+buffer; accumulate weight gradients; free the activations. ``I``: the same input and output, but only the
+input gradient (the graph is kept for ``W``). ``W``: accumulate the weight gradient of that ``I``; free the
+activations. ``Sync``: all-reduce the gradients of the local chunks of its stages among its devices (and the
+data-parallel group if ``dp``); it may run asynchronously, but a later ``Step`` of those stages must wait for
+it. ``Step``: optimizer step of that chunk, then zero its
 gradient. For asynchronous schedules ``staleness.version_difference`` gives each forward's s.
 
 Text notation (one token per action, no spaces; ``parse_action(format_action(a)) == a``)
 ----------------------------------------------------------------------------------------
 ``F3s5``  forward of micro-batch 3 on stage 5 (replica 0).      ``B3s5`` the backward.
+``I3s5``, ``W3s5``                   the backward split: input gradient, weight gradient.
 ``F3<s5`` the same on replica 1 ("up"); ``F3>s5`` names replica 0 explicitly ("down").
 ``STEP:s5``, ``STEP:<s5``            optimizer step of stage 5 (of replica 0 / 1).
 ``SYNC:s4+s7@0+3``, ``...@0+3:dp``   gradient all-reduce of stages 4 and 7 among devices 0 and 3.
@@ -79,8 +89,8 @@ from dataclasses import dataclass
 from typing import Union
 
 __all__ = [
-    "Chunk", "Forward", "Backward", "Step", "Sync", "Send", "Recv", "Handoff",
-    "Action", "Compute", "format_action", "parse_action", "is_compute",
+    "Chunk", "Forward", "Backward", "BackwardInput", "BackwardWeight", "Step", "Sync", "Send", "Recv", "Handoff",
+    "Action", "Compute", "format_action", "parse_action", "is_compute", "input_grad_action", "weight_grad_action",
 ]
 
 _DIRECTION = {0: ">", 1: "<"}
@@ -148,7 +158,50 @@ class Backward:
         return format_action(self)
 
 
-Compute = Union[Forward, Backward]
+@dataclass(frozen=True, slots=True)
+class BackwardInput:
+    """Input-gradient half of micro-batch ``mb``'s backward through stage ``stage`` (token ``I``)."""
+    mb: int
+    stage: int
+    replica: int = 0
+
+    def __post_init__(self):
+        _check_index("mb", self.mb)
+        _check_index("stage", self.stage)
+        _check_replica(self.replica)
+
+    @property
+    def chunk(self) -> Chunk:
+        return Chunk(self.replica, self.stage)
+
+    def __str__(self):
+        return format_action(self)
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardWeight:
+    """Weight-gradient half of micro-batch ``mb``'s backward through stage ``stage`` (token ``W``)."""
+    mb: int
+    stage: int
+    replica: int = 0
+
+    def __post_init__(self):
+        _check_index("mb", self.mb)
+        _check_index("stage", self.stage)
+        _check_replica(self.replica)
+
+    @property
+    def chunk(self) -> Chunk:
+        return Chunk(self.replica, self.stage)
+
+    def __str__(self):
+        return format_action(self)
+
+
+Compute = Union[Forward, Backward, BackwardInput, BackwardWeight]
+_COMPUTE_TYPES = (Forward, Backward, BackwardInput, BackwardWeight)
+_KIND = {Forward: "F", Backward: "B", BackwardInput: "I", BackwardWeight: "W"}
+_OF_KIND = {v: k for k, v in _KIND.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,8 +255,9 @@ class Send:
     peer: int
 
     def __post_init__(self):
-        if not isinstance(self.op, (Forward, Backward)):
-            raise ValueError(f"Send carries the output of a Forward or Backward, got {self.op!r}")
+        if not isinstance(self.op, (Forward, Backward, BackwardInput)):
+            raise ValueError(f"Send carries the output of a Forward, Backward or BackwardInput (a BackwardWeight has no "
+                             f"data to move), got {self.op!r}")
         _check_index("peer", self.peer)
 
     def __str__(self):
@@ -217,8 +271,9 @@ class Recv:
     peer: int
 
     def __post_init__(self):
-        if not isinstance(self.op, (Forward, Backward)):
-            raise ValueError(f"Recv carries the input of a Forward or Backward, got {self.op!r}")
+        if not isinstance(self.op, (Forward, Backward, BackwardInput)):
+            raise ValueError(f"Recv carries the input of a Forward, Backward or BackwardInput (a BackwardWeight has no "
+                             f"data to move), got {self.op!r}")
         _check_index("peer", self.peer)
 
     def __str__(self):
@@ -231,18 +286,29 @@ class Handoff:
     op: Compute
 
     def __post_init__(self):
-        if not isinstance(self.op, (Forward, Backward)):
-            raise ValueError(f"Handoff carries the output of a Forward or Backward, got {self.op!r}")
+        if not isinstance(self.op, (Forward, Backward, BackwardInput)):
+            raise ValueError(f"Handoff carries the output of a Forward, Backward or BackwardInput (a BackwardWeight has no "
+                             f"data to move), got {self.op!r}")
 
     def __str__(self):
         return format_action(self)
 
 
-Action = Union[Forward, Backward, Step, Sync, Send, Recv, Handoff]
+Action = Union[Forward, Backward, BackwardInput, BackwardWeight, Step, Sync, Send, Recv, Handoff]
 
 
 def is_compute(action) -> bool:
-    return isinstance(action, (Forward, Backward))
+    return isinstance(action, _COMPUTE_TYPES)
+
+
+def input_grad_action(action) -> bool:
+    """Whether ``action`` computes its stage's input gradient (a full ``Backward`` or an ``I``)."""
+    return isinstance(action, (Backward, BackwardInput))
+
+
+def weight_grad_action(action) -> bool:
+    """Whether ``action`` leaves its micro-batch's weight gradient complete (a full ``Backward`` or a ``W``)."""
+    return isinstance(action, (Backward, BackwardWeight))
 
 
 def _dir(replica: int, directed: bool) -> str:
@@ -251,9 +317,8 @@ def _dir(replica: int, directed: bool) -> str:
 
 def format_action(action: Action, directed: bool = False) -> str:
     """One token for ``action``. ``directed=True`` also marks replica 0 (``>``), as two-replica schedules print."""
-    if isinstance(action, (Forward, Backward)):
-        kind = "F" if isinstance(action, Forward) else "B"
-        return f"{kind}{action.mb}{_dir(action.replica, directed)}s{action.stage}"
+    if isinstance(action, _COMPUTE_TYPES):
+        return f"{_KIND[type(action)]}{action.mb}{_dir(action.replica, directed)}s{action.stage}"
     if isinstance(action, Step):
         return f"STEP:{_dir(action.replica, directed)}s{action.stage}"
     if isinstance(action, Sync):
@@ -269,7 +334,7 @@ def format_action(action: Action, directed: bool = False) -> str:
     raise TypeError(f"not a schedule action: {action!r}")
 
 
-_COMPUTE = r"([FB])(\d+)([<>]?)s(\d+)"
+_COMPUTE = r"([FBIW])(\d+)([<>]?)s(\d+)"
 _PATTERNS = [
     ("compute", re.compile(_COMPUTE)),
     ("step", re.compile(r"STEP:([<>]?)s(\d+)")),
@@ -279,13 +344,12 @@ _PATTERNS = [
     ("hand", re.compile(r"HAND:" + _COMPUTE)),
 ]
 
-_GRAMMAR = ("F<mb>s<stage>, B<mb><s<stage>, STEP:s<stage>, SYNC:s<a>+s<b>@<dev>+<dev>[:dp], "
+_GRAMMAR = ("F<mb>s<stage>, B<mb><s<stage>, I<mb>s<stage>, W<mb>s<stage>, STEP:s<stage>, SYNC:s<a>+s<b>@<dev>+<dev>[:dp], "
             "SEND:F<mb>s<stage>@<dev>, RECV:B<mb>s<stage>@<dev>, HAND:F<mb>>s<stage>")
 
 
 def _compute(kind: str, mb: str, direction: str, stage: str) -> Compute:
-    cls = Forward if kind == "F" else Backward
-    return cls(int(mb), int(stage), _REPLICA[direction])
+    return _OF_KIND[kind](int(mb), int(stage), _REPLICA[direction])
 
 
 def parse_action(token: str) -> Action:

@@ -5,17 +5,23 @@ see different weight versions (``staleness.version_difference`` counts how many 
 - ``async-1f1b``: a step after every backward (each micro-batch is a mini-batch). Stage k keeps D-k weight
   versions if it stashes (PipeDream); PipeOptim instead predicts the weights the backward will see.
 - ``2bw``: gradients accumulated over m >= D micro-batches, one step per m backwards; two weight versions.
+- ``async-zb``: async 1F1B with the backward split (``zero_bubble.py``): the ZB-H1 order, where device d runs
+  each weight gradient ``W`` d micro-batches after its input gradient ``I``, and a step after every ``W`` (the
+  gradient exists only then). The deferred ``W`` fill the window's fill and drain; the price is staleness: a
+  micro-batch's gradient reaches the weights d steps later than in async-1f1b, so its forward is D-1 steps
+  ahead of the update that applies it on every stage (``staleness.version_difference``).
 
 The window covers ``microbatches`` micro-batches: the warm-up, the steady state and the drain of a stream
 that a training run would continue indefinitely.
 """
 from __future__ import annotations
 
-from .actions import Action, Backward, Chunk, Step
+from .actions import Action, Backward, BackwardWeight, Chunk, Step
 from .schedule import Schedule
 from .synchronous import one_f_one_b_order
+from .zero_bubble import zb_h1_order
 
-__all__ = ["async_1f1b", "two_bw"]
+__all__ = ["async_1f1b", "two_bw", "async_zb"]
 
 
 def _with_steps(devices: int, microbatches: int, every: int) -> list[list[Action]]:
@@ -45,3 +51,17 @@ def two_bw(devices: int, microbatches: int, update_every: int | None = None) -> 
     chunks = [[Chunk(0, d)] for d in range(devices)]
     return Schedule("2bw", devices, microbatches, devices, chunks, _with_steps(devices, microbatches, m), False,
                     {"update_every": m})
+
+
+def async_zb(devices: int, microbatches: int) -> Schedule:
+    """Async 1F1B with split backwards in the ZB-H1 order and a step after every ``W`` (module docstring)."""
+    chunks = [[Chunk(0, d)] for d in range(devices)]
+    actions = []
+    for d in range(devices):
+        acts: list[Action] = []
+        for a in zb_h1_order(devices, microbatches, d):
+            acts.append(a)
+            if isinstance(a, BackwardWeight):
+                acts.append(Step(d))
+        actions.append(acts)
+    return Schedule("async-zb", devices, microbatches, devices, chunks, actions, False)

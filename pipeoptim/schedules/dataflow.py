@@ -8,35 +8,43 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .actions import Backward, Compute, Forward
+from .actions import BackwardInput, BackwardWeight, Compute, Forward
 from .schedule import Schedule
 
 __all__ = ["producer", "consumer", "requirements", "Transfer", "output_transfer", "input_transfer"]
 
 
 def producer(schedule: Schedule, op: Compute) -> Compute | None:
-    """The compute whose output is ``op``'s input; None when the input is data (stage 0 forward) or the loss
-    (last-stage backward, which starts from its own forward's output)."""
+    """The compute whose output is ``op``'s input; None when the input is data (stage 0 forward), the loss
+    (last-stage backward, which starts from its own forward's output) or nothing (a weight gradient ``W``).
+    A backward's input comes from the next stage's ``Backward`` or ``I`` (``Schedule.backward_of``)."""
     last = schedule.num_stages - 1
     if isinstance(op, Forward):
         return Forward(op.mb, op.stage - 1, op.replica) if op.stage > 0 else None
-    return Backward(op.mb, op.stage + 1, op.replica) if op.stage < last else None
+    if isinstance(op, BackwardWeight):
+        return None
+    return schedule.backward_of(op.mb, op.stage + 1, op.replica) if op.stage < last else None
 
 
 def consumer(schedule: Schedule, op: Compute) -> Compute | None:
     """The compute that reads ``op``'s output; None for the loss (last-stage forward: its own backward reads
-    it locally) and for stage 0's input gradient (nobody needs it)."""
+    it locally), for stage 0's input gradient (nobody needs it) and for a ``W`` (it has no output)."""
     last = schedule.num_stages - 1
     if isinstance(op, Forward):
         return Forward(op.mb, op.stage + 1, op.replica) if op.stage < last else None
-    return Backward(op.mb, op.stage - 1, op.replica) if op.stage > 0 else None
+    if isinstance(op, BackwardWeight):
+        return None
+    return schedule.backward_of(op.mb, op.stage - 1, op.replica) if op.stage > 0 else None
 
 
 def requirements(schedule: Schedule, op: Compute) -> tuple[Compute, ...]:
-    """Everything that must have finished before ``op`` starts (a backward also needs its own forward)."""
+    """Everything that must have finished before ``op`` starts: a backward (or ``I``) also needs its own
+    forward, a ``W`` its ``I``."""
+    if isinstance(op, BackwardWeight):
+        return (BackwardInput(op.mb, op.stage, op.replica),)
     before = producer(schedule, op)
     deps = () if before is None else (before,)
-    if isinstance(op, Backward):
+    if not isinstance(op, Forward):
         deps = deps + (Forward(op.mb, op.stage, op.replica),)
     return deps
 

@@ -1,9 +1,10 @@
 """Device x time text grid of a timed schedule, able to mark the step where a schedule is invalid.
 
 Each row is a device; each column is one time quantum (the greatest common divisor of the durations, so with
-forward 1 and backward 2 a backward spans two columns). Labels: ``F3`` / ``B3`` (micro-batch 3), with the
-direction (``>`` down, ``<`` up) on two-replica schedules and the stage (``s5``) when a device holds several
-chunks; ``-``/``=`` continue a forward/backward, ``.`` is idle, ``|`` marks an optimizer step and ``*`` a
+forward 1 and backward 2 a backward spans two columns). Labels: ``F3`` / ``B3`` (micro-batch 3), ``I3`` / ``W3``
+for a backward split into input and weight gradient, with the direction (``>`` down, ``<`` up) on two-replica
+schedules and the stage (``s5``) when a device holds several chunks; ``-``/``=``/``+`` continue a forward/
+backward (or ``I``)/``W``, ``.`` is idle, ``|`` marks an optimizer step and ``*`` a
 gradient sync when they take no time (otherwise they get cells ``U``/``AR``). A marked action is printed as
 ``!label`` and explained under the grid.
 """
@@ -13,21 +14,21 @@ import math
 from fractions import Fraction
 from typing import Iterable, Sequence
 
-from .actions import Action, Backward, Forward, Step, Sync
+from .actions import Action, Backward, BackwardInput, BackwardWeight, Step, Sync, format_action, is_compute
 from .schedule import Schedule
 from .timeline import Timeline
 
 __all__ = ["label", "format_grid", "format_order_grid", "LEGEND"]
 
-LEGEND = ("F/B<mb>[>|<][s<stage>]: forward/backward; -/=: continues; .: idle; |: optimizer step; "
-          "*: gradient sync; !: invalid step")
+LEGEND = ("F/B/I/W<mb>[>|<][s<stage>]: forward/backward/input gradient/weight gradient; -/=/+: continues; "
+          ".: idle; |: optimizer step; *: gradient sync; !: invalid step")
 
 
 def label(schedule: Schedule, action: Action) -> str:
     """Short cell label of ``action`` (see module docstring)."""
     multi_chunk = any(len(c) > 1 for c in schedule.chunks)
-    if isinstance(action, (Forward, Backward)):
-        kind = "F" if isinstance(action, Forward) else "B"
+    if is_compute(action):
+        kind = format_action(action)[0]
         direction = {0: ">", 1: "<"}[action.replica] if schedule.directed else ""
         stage = f"s{action.stage}" if multi_chunk else ""
         return f"{kind}{action.mb}{direction}{stage}"
@@ -81,7 +82,8 @@ def _render(rows: Sequence[Sequence[tuple[float, float, str, Action, bool]]], qu
                 line[pos] = "*" if isinstance(action, Sync) else "|"
                 continue
             text = ("!" if mark else "") + text
-            fill = "=" if isinstance(action, Backward) else "-"
+            fill = ("=" if isinstance(action, (Backward, BackwardInput)) else
+                    "+" if isinstance(action, BackwardWeight) else "-")
             span = w * width - 1
             cell = (text + fill * span)[:max(span, len(text))]
             line[col * width: col * width + len(cell)] = list(cell)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .actions import Backward, Step, Sync
-from .asynchronous import async_1f1b, two_bw
+from .actions import Step, Sync, weight_grad_action
+from .asynchronous import async_1f1b, async_zb, two_bw
 from .bidirectional import CONCATS, bitpipe, chimera
 from .errors import ScheduleConfigError
 from .schedule import Schedule
 from .synchronous import gpipe, interleaved, one_f_one_b
+from .zero_bubble import dualpipev, zb_h1, zbv
 
 __all__ = ["SCHEDULES", "ScheduleInfo", "INFO", "get_schedule", "with_data_parallel"]
 
@@ -34,7 +35,11 @@ INFO: dict[str, ScheduleInfo] = {i.name: i for i in [
     ScheduleInfo("interleaved", True, True, "1F1B over v chunks per device, looping placement; flush"),
     ScheduleInfo("chimera", True, False, "two replicas in opposite directions; flush"),
     ScheduleInfo("bitpipe", True, False, "two V-shaped replicas, 4 chunks per device, eager sync; flush"),
+    ScheduleInfo("zb-h1", True, True, "1F1B with split backward, weight gradients deferred into the bubble; flush"),
+    ScheduleInfo("zbv", True, True, "zero bubble, V-shaped: 2 chunks per device, split backward; flush"),
+    ScheduleInfo("dualpipev", True, True, "DualPipe on V-shaped chunks: forward/backward pairs, split tail; flush"),
     ScheduleInfo("async-1f1b", False, True, "PipeDream: no flush, a step after every backward"),
+    ScheduleInfo("async-zb", False, True, "async 1F1B, split backward in ZB-H1 order, a step after every W"),
     ScheduleInfo("2bw", False, True, "PipeDream-2BW: no flush, a step every m micro-batches"),
 ]}
 SCHEDULES: list[str] = list(INFO)
@@ -100,7 +105,11 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
         "interleaved": lambda: _interleaved(devices, microbatches, 2 if chunks is None else chunks),
         "chimera": lambda: _chimera(devices, microbatches, concat, bwd_ratio),
         "bitpipe": lambda: _bitpipe(devices, microbatches, concat, bwd_ratio),
+        "zb-h1": lambda: zb_h1(devices, microbatches),
+        "zbv": lambda: zbv(devices, microbatches),
+        "dualpipev": lambda: _dualpipev(devices, microbatches),
         "async-1f1b": lambda: async_1f1b(devices, microbatches),
+        "async-zb": lambda: async_zb(devices, microbatches),
         "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every),
     }
     schedule = build[name]()
@@ -112,7 +121,7 @@ def with_data_parallel(schedule: Schedule) -> Schedule:
 
     Existing syncs (Chimera's and BitPipe's mirror syncs) widen to the data-parallel group (``dp=True``: one
     all-reduce over mirror and copies). Otherwise synchronous schedules sync each chunk eagerly, right after its
-    last backward (overlapping the remaining backwards, as DDP does), and asynchronous ones sync before every
+    last backward or W (overlapping the remaining backwards, as DDP does), and asynchronous ones sync before every
     step.
     """
     actions = []
@@ -122,7 +131,7 @@ def with_data_parallel(schedule: Schedule) -> Schedule:
             acts = [Sync(a.stages, a.devices, dp=True) if isinstance(a, Sync) else a for a in acts]
         elif schedule.synchronous:
             for chunk in schedule.chunks[d]:
-                last = max(i for i, a in enumerate(acts) if isinstance(a, Backward) and a.chunk == chunk)
+                last = max(i for i, a in enumerate(acts) if weight_grad_action(a) and a.chunk == chunk)
                 acts.insert(last + 1, Sync((chunk.stage,), (), dp=True))
         else:
             out = []
@@ -153,6 +162,13 @@ def _bitpipe(devices: int, microbatches: int, concat: str, bwd_ratio: float) -> 
     _even_devices("bitpipe", devices)
     _multiple_of_devices("bitpipe", devices, microbatches)
     return bitpipe(devices, microbatches, concat, bwd_ratio)
+
+
+def _dualpipev(devices: int, microbatches: int) -> Schedule:
+    _need(microbatches >= 2 * devices, f"dualpipev needs at least twice as many micro-batches as devices, one per "
+          f"stage of its V (got {microbatches} micro-batches on {devices} devices); use --microbatches "
+          f"{2 * devices}, or the zbv schedule, which takes any number")
+    return dualpipev(devices, microbatches)
 
 
 def _two_bw(devices: int, microbatches: int, m: int) -> Schedule:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, Sequence
 
-from .actions import (Action, Backward, Chunk, Forward, Handoff, Recv, Send, format_action, is_compute,
-                      parse_action)
+from .actions import (Action, Backward, BackwardInput, BackwardWeight, Chunk, Forward, Handoff, Recv, Send,
+                      format_action, is_compute, parse_action)
 
 __all__ = ["Schedule"]
 
@@ -130,7 +130,23 @@ class Schedule:
                     out.setdefault(a.mb, a.replica)
         return out
 
-    def compute_actions(self, device: int) -> list[Forward | Backward]:
+    @cached_property
+    def _split_backwards(self) -> frozenset[tuple[int, int, int]]:
+        return frozenset((a.mb, a.stage, a.replica) for acts in self.actions for a in acts
+                         if isinstance(a, (BackwardInput, BackwardWeight)))
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether some backward is split into an input-gradient ``I`` and a weight-gradient ``W``."""
+        return bool(self._split_backwards)
+
+    def backward_of(self, mb: int, stage: int, replica: int = 0) -> Backward | BackwardInput:
+        """The action that computes micro-batch ``mb``'s input gradient on ``stage``: its ``I`` where the
+        schedule splits that backward, else its ``Backward``."""
+        cls = BackwardInput if (mb, stage, replica) in self._split_backwards else Backward
+        return cls(mb, stage, replica)
+
+    def compute_actions(self, device: int) -> list:
         return [a for a in self.actions[device] if is_compute(a)]
 
     def compute_only(self) -> "Schedule":

@@ -21,7 +21,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .actions import Action, Backward, Forward, Handoff, Recv, Send, Step, Sync, is_compute
+from .actions import (Action, Backward, BackwardInput, BackwardWeight, Forward, Handoff, Recv, Send, Step, Sync,
+                      is_compute)
 from .dataflow import Transfer, input_transfer, requirements
 from .schedule import Schedule
 
@@ -63,12 +64,15 @@ class Timeline:
 
 
 def unit_durations(bwd_ratio: float = 2.0) -> Callable[[int, Action], float]:
-    """Forward 1, backward ``bwd_ratio``, everything else 0: the validator's and the grid's default clock."""
+    """Forward 1, backward ``bwd_ratio`` (its ``I`` and ``W`` half each), everything else 0: the validator's and
+    the grid's default clock."""
     def duration(device: int, action: Action) -> float:
         if isinstance(action, Forward):
             return 1.0
         if isinstance(action, Backward):
             return float(bwd_ratio)
+        if isinstance(action, (BackwardInput, BackwardWeight)):
+            return bwd_ratio / 2.0
         return 0.0
     return duration
 

@@ -3,11 +3,13 @@
 Rules, in the order they are checked:
 1. placement: every action runs on the device that holds its chunk; a ``Sync`` lists its own device and
    covers stages the device holds; device numbers exist.
-2. completeness: each micro-batch 0..N-1 flows through one replica, with exactly one ``Forward`` and one
-   ``Backward`` of every stage of that replica; nothing else.
-3. weights: synchronous schedules step every chunk exactly once, after all its backwards and after any
-   ``Sync`` that covers it, and sync after the backwards a ``Sync`` covers; asynchronous schedules step only
-   with new gradient since the last step and leave no backward's gradient unapplied.
+2. completeness: each micro-batch 0..N-1 flows through one replica, with exactly one ``Forward`` of every
+   stage of that replica and either one ``Backward`` or one split pair ``I`` + ``W``, the ``W`` after its
+   ``I`` on the same device; nothing else.
+3. weights: synchronous schedules step every chunk exactly once, after all its backwards and weight
+   gradients (``W``) and after any ``Sync`` that covers it, and sync after the backwards and ``W`` a ``Sync``
+   covers; asynchronous schedules step only with new gradient since the last step (a ``Backward`` or ``W``;
+   an ``I`` computes none) and leave no gradient unapplied.
 4. collectives: every member of a ``Sync`` lists it equally often.
 5. order: the lists can run with non-blocking sends and blocking syncs (``timeline.run_timeline``): every
    action's inputs are produced earlier, nothing waits in a cycle.
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .actions import Backward, Forward, Handoff, Recv, Send, Step, Sync, is_compute
+from .actions import (Backward, BackwardInput, BackwardWeight, Forward, Handoff, Recv, Send, Step, Sync, is_compute,
+                      weight_grad_action)
 from .dataflow import consumer, input_transfer, output_transfer
 from .errors import ScheduleError
 from .grid import format_grid, format_order_grid
@@ -41,7 +44,7 @@ def _check_placement(s: Schedule) -> None:
         held = set(s.chunks[d])
         held_stages = {c.stage for c in held}
         for i, a in enumerate(acts):
-            if isinstance(a, (Forward, Backward, Step)):
+            if isinstance(a, (Forward, Backward, BackwardInput, BackwardWeight, Step)):
                 if a.chunk not in held:
                     owner = s.placement.get(a.chunk)
                     where = "no device" if owner is None else f"device {owner}"
@@ -88,16 +91,31 @@ def _check_completeness(s: Schedule) -> None:
         if mb not in replica_of:
             raise ScheduleError("completeness", f"micro-batch {mb} never runs", grid=format_order_grid(s))
         r = replica_of[mb]
-        for kind in (Forward, Backward):
-            for st in range(s.num_stages):
+        for st in range(s.num_stages):
+            full, i, w = (seen.get((k.__name__, mb, st)) for k in (Backward, BackwardInput, BackwardWeight))
+            if full is not None and (i or w) is not None:
+                d, at = i or w
+                raise _fail(s, "completeness", f"micro-batch {mb} on stage {st} has a full backward (device "
+                            f"{full[0]}, action {full[1]}) and a split one; run either B or I and W", d, at)
+            if i is not None and w is not None and i[0] == w[0] and w[1] < i[1]:
+                raise _fail(s, "completeness", f"{s.format(BackwardWeight(mb, st, r))} comes before its "
+                            f"{s.format(BackwardInput(mb, st, r))} (action {i[1]}); the weight gradient needs "
+                            "the graph that the input-gradient pass walks first", w[0], w[1])
+            needed = [Forward] + ([BackwardInput, BackwardWeight] if (i or w) is not None else [Backward])
+            for kind in needed:
                 if (kind.__name__, mb, st) not in seen:
-                    op = kind(mb, st, r)
-                    d = s.placement[op.chunk]
-                    # draw the missing action, marked, after the device's last one
-                    shown = s.replace(actions=[list(a) + ([op] if k == d else []) for k, a in enumerate(s.actions)])
-                    detail = f"{s.format(op)} is missing from device {d}"
-                    raise ScheduleError("completeness", detail, d, grid=format_order_grid(
-                        shown, marks=[(d, len(s.actions[d]))], notes=[f"! device {d}: {detail}"]))
+                    _missing(s, kind(mb, st, r))
+
+
+def _missing(s: Schedule, op) -> None:
+    d = s.placement[op.chunk]
+    # draw the missing action, marked, after the device's last one
+    shown = s.replace(actions=[list(a) + ([op] if k == d else []) for k, a in enumerate(s.actions)])
+    detail = f"{s.format(op)} is missing from device {d}"
+    if isinstance(op, (BackwardInput, BackwardWeight)):
+        detail += " (a split backward needs both its I and its W)"
+    raise ScheduleError("completeness", detail, d, grid=format_order_grid(
+        shown, marks=[(d, len(s.actions[d]))], notes=[f"! device {d}: {detail}"]))
 
 
 def _check_weights(s: Schedule) -> None:
@@ -107,7 +125,7 @@ def _check_weights(s: Schedule) -> None:
         steps: dict = defaultdict(list)
         sync_at: dict[int, int] = {}       # stage -> index of the latest Sync covering it
         for i, a in enumerate(acts):
-            if isinstance(a, Backward):
+            if weight_grad_action(a):      # a Backward or a W: the micro-batch's weight gradient is complete
                 last_b[a.chunk] = i
                 pending[a.chunk] += 1
             elif isinstance(a, Sync):
@@ -128,21 +146,22 @@ def _check_weights(s: Schedule) -> None:
                                 f"iteration; {name} appears {len(steps[chunk])} times", d, idx)
                 i = steps[chunk][0]
                 if chunk in last_b and i < last_b[chunk]:
-                    raise _fail(s, "weights", f"{name} comes before the last backward of its chunk (action "
-                                f"{last_b[chunk]}); the flush steps after all backwards", d, i)
+                    last = s.format(acts[last_b[chunk]])
+                    raise _fail(s, "weights", f"{name} comes before the last backward of its chunk, {last} "
+                                f"(action {last_b[chunk]}); the flush steps after every Backward and W", d, i)
                 if chunk.stage in sync_at and i < sync_at[chunk.stage]:
                     raise _fail(s, "weights", f"{name} comes before the Sync of its stage (action "
                                 f"{sync_at[chunk.stage]}); it must use the synchronised gradient", d, i)
             elif pending[chunk]:
-                raise _fail(s, "weights", f"{pending[chunk]} backward(s) of chunk {name[5:]} are never applied "
-                            "by a later step", d, len(acts) - 1)
+                raise _fail(s, "weights", f"{pending[chunk]} gradient(s) (Backward or W) of chunk {name[5:]} are "
+                            "never applied by a later step", d, len(acts) - 1)
         if s.synchronous:
             for i, a in enumerate(acts):
                 if isinstance(a, Sync):
                     late = [last_b[c] for c in s.chunks[d] if c.stage in a.stages and last_b.get(c, -1) > i]
                     if late:
-                        raise _fail(s, "weights", f"{s.format(a)} comes before backward action {max(late)} whose "
-                                    "gradient it must include", d, i)
+                        raise _fail(s, "weights", f"{s.format(a)} comes before {s.format(acts[max(late)])} "
+                                    f"(action {max(late)}) whose gradient it must include", d, i)
 
 
 def _check_collectives(s: Schedule) -> None:
