@@ -1,10 +1,11 @@
 """How do the schedules compare as the pipeline deepens? Bubble ratio, makespan, memory and traffic of every
-schedule (both BitPipe and Chimera concatenations) at D = 4, 8, 16, 32 and several N, with backward = forward
-and backward = 2 x forward, free communication. Simulated (pipeoptim.sim), so it runs on any machine.
+schedule (BitPipe's three orders, Chimera's two concatenations) at D = 4, 8, 16, 32 and several N, with
+backward = forward and backward = 2 x forward, free communication. Simulated (pipeoptim.sim), so it runs on any
+machine.
 
 Writes benchmarks/results/schedules.csv, schedules_bubble.png (bubble vs N, one panel per D and ratio) and
-schedules_bitpipe.png (reference vs paced BitPipe concatenation against interleaved 1F1B), and prints the
-command that produced them.
+schedules_bitpipe.png (BitPipe's reference, greedy and paced orders against interleaved 1F1B), prints the
+BitPipe concatenation table (the README's) and the command that produced them.
 
     python benchmarks/bench_schedules.py                 # the full sweep (about a minute)
     python benchmarks/bench_schedules.py --devices 4 8 --multiples 1 2 --out /tmp/r
@@ -21,7 +22,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from pipeoptim.sim import Costs, compare  # noqa: E402
+from pipeoptim.schedules import ScheduleConfigError, get_schedule  # noqa: E402
+from pipeoptim.sim import Costs, compare, simulate  # noqa: E402
 
 FIELDS = ["devices", "microbatches", "bwd_ratio", "schedule", "bubble_ratio", "steady_bubble", "makespan",
           "peak_activations", "weight_copies", "weight_versions", "p2p_bytes_per_device", "allreduce_bytes_total",
@@ -34,10 +36,44 @@ def sweep(devices: list[int], multiples: list[int], ratios: list[float]) -> list
         for k in multiples:
             for ratio in ratios:
                 t0 = time.perf_counter()
-                for r in compare(D, k * D, Costs(forward=1.0, backward=ratio)):
+                costs = Costs(forward=1.0, backward=ratio)
+                for r in compare(D, k * D, costs):
                     rows.append({**r, "bwd_ratio": ratio})
+                    if r["schedule"] == "bitpipe[reference]":
+                        rows.append({**bitpipe_greedy(D, k * D, costs), "bwd_ratio": ratio})
                 print(f"  D={D:2d} N={k * D:3d} B/F={ratio:g}: {time.perf_counter() - t0:.1f}s", flush=True)
     return rows
+
+
+def bitpipe_greedy(D: int, N: int, costs: Costs) -> dict:
+    """The row compare() would give BitPipe's greedy order (it gives the reference and paced ones)."""
+    try:
+        schedule = get_schedule("bitpipe", D, N, concat="greedy")
+    except ScheduleConfigError as e:
+        return {"schedule": "bitpipe[greedy]", "devices": D, "microbatches": N, "error": str(e)}
+    row = simulate(schedule, costs).summary()
+    return {**row, "steady_bubble": row["bubble_ratio"]}
+
+
+def concat_table(rows: list[dict], ratio: float) -> str:
+    """Markdown: BitPipe's bubble per order next to interleaved 1F1B (v = 2), and peak activations (largest
+    device peak, and the end devices', in D-ths of the model), at backward = ratio x forward."""
+    names = ["bitpipe[reference]", "bitpipe[greedy]", "bitpipe[paced]", "interleaved"]
+    out = ["| D | N | reference | greedy | paced | interleaved, v=2 | peak activations: reference / greedy / paced "
+           "(end devices) |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["devices"], r["microbatches"]) for r in rows if r["bwd_ratio"] == ratio and
+                   r["schedule"] == "bitpipe[reference]" and not r.get("error")})
+    for D, N in keys:
+        by = {r["schedule"]: r for r in rows if (r["devices"], r["microbatches"]) == (D, N)
+              and r["bwd_ratio"] == ratio}
+        peaks = []
+        for concat in ("reference", "greedy", "paced"):   # per device (the rows keep only the largest)
+            p = simulate(get_schedule("bitpipe", D, N, concat=concat, bwd_ratio=ratio),
+                         Costs(forward=1.0, backward=ratio)).peak_activations
+            peaks.append(f"{max(p):g} ({p[0]:g})")
+        out.append(f"| {D} | {N} | " + " | ".join(f"{by[n]['bubble_ratio']:.4f}" for n in names) + " | "
+                   + " / ".join(peaks) + " |")
+    return "\n".join(out)
 
 
 def plot_bubbles(rows: list[dict], path: str) -> None:
@@ -85,7 +121,7 @@ def plot_bitpipe(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(devices), figsize=(4.2 * len(devices), 3.6), dpi=110, squeeze=False)
     for ax, D in zip(axes[0], devices):
         for name, colour in (("interleaved", "#55a868"), ("bitpipe[reference]", "#c44e52"),
-                             ("bitpipe[paced]", "#4c72b0"), ("1f1b", "#999999")):
+                             ("bitpipe[greedy]", "#dd8452"), ("bitpipe[paced]", "#4c72b0"), ("1f1b", "#999999")):
             pts = sorted((r["microbatches"], r["bubble_ratio"]) for r in rows if r["schedule"] == name
                          and r["devices"] == D and r["bwd_ratio"] == ratio and not r.get("error"))
             if pts:
@@ -96,7 +132,8 @@ def plot_bitpipe(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("bubble ratio")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("BitPipe: reference (direct) vs paced concatenation of groups of D micro-batches", fontsize=9)
+    fig.suptitle("BitPipe: the published order (reference), greedy and paced concatenation of groups of D "
+                 "micro-batches", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -121,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     plot_bubbles(rows, os.path.join(args.out, "schedules_bubble.png"))
     plot_bitpipe(rows, os.path.join(args.out, "schedules_bitpipe.png"))
-    print(f"wrote {csv_path}, schedules_bubble.png, schedules_bitpipe.png in {args.out}")
+    ratio = max(args.bwd_ratio)
+    print(f"\nBitPipe's orders, backward = {ratio:g} x forward, free communication (bubble ratio):\n")
+    print(concat_table(rows, ratio))
+    print(f"\nwrote {csv_path}, schedules_bubble.png, schedules_bitpipe.png in {args.out}")
     print(f"command: {command.strip()}")
     return 0
 
