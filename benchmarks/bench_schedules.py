@@ -7,7 +7,7 @@ Writes benchmarks/results/schedules.csv, schedules_bubble.png (bubble vs N, one 
 schedules_bitpipe.png (BitPipe's reference, greedy and paced orders against interleaved 1F1B), prints the
 BitPipe concatenation table (the README's) and the command that produced them.
 
-    python benchmarks/bench_schedules.py                 # the full sweep (about a minute)
+    python benchmarks/bench_schedules.py                 # the full sweep (19 minutes on the loaded 2-core VM)
     python benchmarks/bench_schedules.py --devices 4 8 --multiples 1 2 --out /tmp/r
 """
 from __future__ import annotations

@@ -174,7 +174,7 @@ def _table(rows: list[dict], comm: str, n_per_d: int) -> None:
         for n in names:
             r = next((x for x in rows if x["schedule"] == n and x["comm"] == comm and x["devices"] == r0["devices"]
                       and x["microbatches"] == r0["microbatches"] and x["bwd"] == r0["bwd"]), None)
-            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({r['bubble']:.2f})")
+            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({max(r['bubble'], 0.0):.2f})")  # no -0.00
         print(f"| {r0['devices']} | {r0['bwd']} | " + " | ".join(cells) + " |")
 
 

@@ -19,10 +19,10 @@ BitPipe's orders (``concat``, how groups of D micro-batches are joined when N > 
   (``_published_order``). Per device it is a fixed forward list and a fixed backward list (per group, four
   streams of D/2 chunk passes merged at fixed offsets) walked in phases: a warm-up of 3D/2 + depth forwards
   (depth = distance to the nearer end), forward/backward pairs, then between groups the backwards run on
-  while the next group's warm-up starts. Each group's forwards begin right after the previous group's
-  backwards, so activations never exceed one group's (3D/4 + 1/2 chunk units on the end devices, D in the
-  middle), but with backward = 2 x forward every further group adds (D-2)(B-F) idle time per device: the
-  bubble levels off near 1/7. The second-half chunks (2, 3) are synchronised with the mirror just before the
+  while the next group's warm-up starts. A group's forwards start only as the previous group's backwards
+  drain, so activations never exceed one group's (3D/4 + 1/2 chunk units on the end devices, D in the
+  middle), but with backward B > forward F every further group adds (D-2)(B-F) idle time per device: at
+  B = 2F the bubble levels off near 1/7. The second-half chunks (2, 3) are synchronised with the mirror just before the
   device's last backward, the first-half chunks (0, 1) after it; on the two middle devices both after it.
 - ``"greedy"``: list scheduling of the whole stream at unit costs (the rule Chimera uses). The same order for
   one group at D = 4; for N > D it starts the next group's forwards earlier, which every device pays with
