@@ -354,7 +354,8 @@ def report(out: str) -> None:
         print(f"| method | seeds | {metric} (mean ± std) | paired Δ vs {ref} (same seeds) | {hit_col} (mean; runs that reached it) | final train loss "
               f"| extra weight bytes per stage (seed {by[next(iter(by))][0]['seed']}) | fraction of stage weights |")
         print("|---|---|---|---|---|---|---|---|")
-        for m in [m for m in METHODS + tuple(ABLATION) if m in by]:
+        known = METHODS + tuple(ABLATION)
+        for m in [m for m in known if m in by] + [m for m in by if m not in known]:   # e.g. retired methods' rows
             rs = by[m]
             vals = [float(r[metric]) for r in rs]
             hits = [int(r[hit_col]) for r in rs if r[hit_col] != ""]
