@@ -162,7 +162,7 @@ def _listed_order(shell: Schedule, replicas: list[int], paced: bool, bwd_ratio: 
 
 
 def _merge_at_offsets(streams: list[tuple[float, list]]) -> list:
-    """Interleave lists whose i-th items sit at ``offset + i``; items at equal positions keep stream order."""
+    """Interleave lists whose i-th items sit at ``offset + i`` (ties, if any, in stream order)."""
     placed = [(offset + i, k, item) for k, (offset, items) in enumerate(streams) for i, item in enumerate(items)]
     return [item for *_, item in sorted(placed, key=lambda p: p[:2])]
 
@@ -189,10 +189,10 @@ def _published_order(D: int, N: int, r: int) -> list[Action]:
         return [kind(g * D + direction * half + i, chunk.stage, chunk.replica) for i in range(half)]
 
     def group_list(kind, g: int, early: dict, late: dict) -> list[Compute]:
-        return _merge_at_offsets([(-0.5 + lead, passes(kind, g, far, early[far])),
-                                  (-0.5 + half + lead, passes(kind, g, near, late[near])),
-                                  (0, passes(kind, g, near, early[near])),
-                                  (half, passes(kind, g, far, late[far]))])
+        return _merge_at_offsets([(0, passes(kind, g, near, early[near])),
+                                  (lead - 0.5, passes(kind, g, far, early[far])),
+                                  (half, passes(kind, g, far, late[far])),
+                                  (half + lead - 0.5, passes(kind, g, near, late[near]))])
 
     groups = N // D
     fwd = [group_list(Forward, g, first_pass, second_pass) for g in range(groups)]
