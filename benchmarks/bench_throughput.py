@@ -174,7 +174,8 @@ def _table(rows: list[dict], comm: str, n_per_d: int) -> None:
         for n in names:
             r = next((x for x in rows if x["schedule"] == n and x["comm"] == comm and x["devices"] == r0["devices"]
                       and x["microbatches"] == r0["microbatches"] and x["bwd"] == r0["bwd"]), None)
-            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({max(r['bubble'], 0.0):.2f})")  # no -0.00
+            bubble = max(r["bubble"], 0.0) if r and "error" not in r else 0.0   # no "-0.00" from rounding
+            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({bubble:.2f})")
         print(f"| {r0['devices']} | {r0['bwd']} | " + " | ".join(cells) + " |")
 
 
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
             int(c[k]) for k in ("d_model", "seq_len", "microbatch_size", "threads"))
     else:
         c = measure_costs(args.d_model, args.seq_len, args.microbatch_size, args.repeats)
-    print(f"{'costs from ' + args.costs + ' for' if args.costs else 'measured'} one GPT block (d_model={args.d_model}, seq {args.seq_len}, micro-batch {args.microbatch_size}, "
+    source = f"costs from {args.costs} for" if args.costs else "measured"
+    print(f"{source} one GPT block (d_model={args.d_model}, seq {args.seq_len}, micro-batch {args.microbatch_size}, "
           f"{int(c['params'])} params, {args.threads} thread): forward {c['forward'] * 1e3:.2f} ms, backward "
           f"{c['backward'] * 1e3:.2f} ms (B/F {c['backward'] / c['forward']:.2f}), AdamW step {c['step'] * 1e3:.3f} ms,"
           f" prediction {c['predict'] * 1e3:.3f} ms")

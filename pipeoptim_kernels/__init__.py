@@ -18,12 +18,12 @@ from typing import Mapping
 import torch
 
 from . import compiled, eager, rules, triton_backend
-from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, REFERENCE_RULES, STATE_ENTRIES, STEP_PREDICT_RULES,
-                    register_rule)
+from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, REFERENCE_RULES, STATE_ENTRIES,
+                    STEP_PREDICT_RULES, register_rule)
 from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s, same_buffer
 
-__all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES", "REFERENCE_RULES",
-           "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
+__all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
+           "REFERENCE_RULES", "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
 
 BACKENDS = ("auto", "eager", "triton", "cpu", "cuda")
 _HOW_TO_GET = {

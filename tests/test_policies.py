@@ -484,7 +484,7 @@ def test_reference_mode_uses_the_codes_s_and_needs_the_stage():
 
 def test_reference_mode_forward_reads_the_public_codes_prediction():
     """SGD with momentum, dampening and weight decay, stage 0 of 3: the forward reads
-    ŵ = w − 3·lr·(μ·buf + (1−τ)·(g + λ·w_b)), w_b the weights before the last step (p.grad on old torch)."""
+    ŵ = w − 3·lr·(μ·buf + (1−τ)·(g + λ·w_b)), w_b the weights before the last step (old torch's p.grad)."""
     lr, mu, tau, wd, D = 0.05, 0.9, 0.1, 0.02, 3
     torch.manual_seed(3)
     model = XWT()

@@ -24,8 +24,8 @@ BitPipe's orders (``concat``, how groups of D micro-batches are joined when N > 
   middle), but with backward B > forward F every further group adds (D-2)(B-F) idle time per device: at
   B = 2F the bubble levels off near 1/7. The second-half chunks (2, 3) are synchronised with the mirror just before the
   device's last backward, the first-half chunks (0, 1) after it; on the two middle devices both after it.
-- ``"greedy"``: list scheduling of the whole stream at unit costs (the rule Chimera uses). The same order for
-  one group at D = 4; for N > D it starts the next group's forwards earlier, which every device pays with
+- ``"greedy"``: list scheduling of the whole stream at unit costs (the rule Chimera uses). The reference's compute
+  order for one group at D = 4; for N > D it starts the next group's forwards earlier, which every device pays with
   activations up to D units (the middle devices' peak, so the largest per-device peak is unchanged) and which
   removes part of the idle time the reference order accumulates (bubble 0.0857 against 0.0943 at D=4, N=16,
   B=2F; equal with B=F, where both meet the closed formula). Syncs: the second half's right after its last
