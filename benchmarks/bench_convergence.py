@@ -12,7 +12,8 @@ Workloads (``--suite``):
   gpt4adam           the same with Adam (no weight decay)
   ablate-digits8 / ablate-gpt4
                      PipeOptim exact with three ways of giving s: the schedule-derived s (what the runtime passes),
-                     the paper's s = D-k-1 (constant, also during warm-up) and the public code's s = D-k
+                     the paper's s = D-k-1 (constant, also during warm-up) and the public code's s = D-k; and
+                     ``reference``: the public code's rule as a whole (its Δ and ε, mode "reference", with its s)
   gpt4-zb            gpt4's setting with the asynchronous zero-bubble schedule (async-zb: split backward, device
                      k runs each weight gradient k micro-batches late, a step after every W) against async-1f1b
 
@@ -56,7 +57,9 @@ from torch import nn
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 METHODS = ("sync", "none", "stash", "2bw", "spectrain", "pipeoptim-paper", "pipeoptim-exact")
 ZB_METHODS = ("zb-none", "zb-pipeoptim", "zb-pipeoptim-sI")
-S_RULES = ("schedule", "paper", "code")
+# s ablation: method -> (prediction mode, the policy's s_rule); "code" is the public code's s = D - k
+ABLATION = {"s-schedule": ("exact", "schedule"), "s-paper": ("exact", "paper"), "s-code": ("exact", "reference"),
+            "reference": ("reference", "reference")}
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
 SUITES = {
@@ -71,9 +74,9 @@ SUITES = {
     "gpt4adam": dict(task="gpt", devices=4, optimizer="adam", lr=3e-4, steps=384, mbs=8, eval_every=32,
                      target=2.6, methods=METHODS),
     "ablate-digits8": dict(task="digits", devices=8, optimizer="sgd", lr=0.005, steps=640, mbs=32, eval_every=32,
-                           target=0.95, methods=tuple(f"s-{r}" for r in S_RULES)),
+                           target=0.95, methods=tuple(ABLATION)),
     "ablate-gpt4": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
-                        target=2.6, methods=tuple(f"s-{r}" for r in S_RULES)),
+                        target=2.6, methods=tuple(ABLATION)),
     "gpt4-zb": dict(task="gpt", devices=4, optimizer="adamw", lr=3e-4, steps=384, mbs=8, eval_every=32,
                     target=2.6, methods=("sync", "pipeoptim-exact") + ZB_METHODS),
 }
@@ -151,43 +154,7 @@ class Task:
         return {"loss": sum(losses) / len(losses)}
 
 
-# ---- s ablation: PipeOptim with s given by a rule instead of the schedule --------------------------------------
-def s_of_rule(rule: str, s_schedule: float, stage: int, devices: int) -> float:
-    """The version difference a forward on `stage` uses under `rule` (DESIGN.md §2)."""
-    if rule == "schedule":
-        return s_schedule
-    if rule == "paper":
-        return float(devices - stage - 1)
-    if rule == "code":
-        return float(devices - stage)
-    raise ValueError(f"unknown s rule {rule!r}; choose one of {S_RULES}")
-
-
-def _register_s_policy():
-    """A PipeOptim policy whose s comes from ``s_rule`` (set per stage after the Pipeline is built): the Pipeline
-    API passes the schedule's s and has no option to override it, so the ablation subclasses the policy."""
-    from pipeoptim.policies import POLICIES, PipeOptimPolicy, register_policy
-    if "pipeoptim-srule" in POLICIES:
-        return
-
-    class SRulePolicy(PipeOptimPolicy):
-        name = "pipeoptim-srule"
-        s_rule, stage, devices = "schedule", 0, 1
-
-        def _s(self, s):
-            return s if s is None else s_of_rule(self.s_rule, s, self.stage, self.devices)
-
-        @contextmanager
-        def _forward_weights(self, mb, s):
-            with super()._forward_weights(mb, self._s(s)):
-                yield
-
-        def _apply_step(self, next_s):
-            super()._apply_step(self._s(next_s))
-
-    register_policy(SRulePolicy)
-
-
+# ---- PipeOptim predicting only up to the input-gradient pass (async-zb ablation) ------------------------------
 def _register_input_s_policy():
     """PipeOptim predicting each forward only up to its micro-batch's input-gradient pass I (not to its W): the
     runtime passes the steps up to the W, so the table of steps up to the I is set per stage after the Pipeline
@@ -221,9 +188,10 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
             raise ValueError(f"2bw splits each update's {mbs} samples into {devices} micro-batches; use a "
                              f"micro-batch size divisible by {devices}")
         return dict(schedule="2bw", policy="2bw", microbatches=window), mbs // devices
-    if method.startswith("s-"):
-        _register_s_policy()
-        return dict(schedule="async-1f1b", policy="pipeoptim-srule", microbatches=window), mbs
+    if method in ABLATION:
+        mode, s_rule = ABLATION[method]
+        return dict(schedule="async-1f1b", policy="pipeoptim", policy_options={"mode": mode, "s_rule": s_rule},
+                    microbatches=window), mbs
     if method in ZB_METHODS:
         if method == "zb-pipeoptim-sI":
             _register_input_s_policy()
@@ -232,7 +200,7 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     pol = {"pipeoptim-paper": ("pipeoptim", {"mode": "paper"}),
            "pipeoptim-exact": ("pipeoptim", {"mode": "exact"})}.get(method, (method, {}))
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS + ZB_METHODS} or s-<rule>")
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS + ZB_METHODS + tuple(ABLATION))}")
     return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
 
 
@@ -246,24 +214,31 @@ def make_optimizer(name: str, lr: float):
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
 
 
-def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple[dict, list[dict]]:
+def build_pipeline(method: str, task: "Task", cfg: dict, window: int):
+    """The emulated pipeline `method` trains with, and the micro-batch size and Pipeline arguments it used."""
     from pipeoptim.train import Pipeline
-    torch.manual_seed(seed)
-    task = Task(cfg["task"], seed)
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
     pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(cfg["optimizer"], cfg["lr"]),
                     devices=D, emulate=True, **kw)
-    if method.startswith("s-"):
+    if method in ABLATION:     # the constant s rules need each stage's place, which Pipeline does not pass
         for w in pipe.workers:
             for chunk, st in w.stages.items():
-                st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, D
+                st.policy.place(chunk.stage, D)
     if method == "zb-pipeoptim-sI":
         from pipeoptim.schedules import input_version_difference
         to_input = input_version_difference(pipe.schedule)
         for w in pipe.workers:
             for chunk, st in w.stages.items():
                 st.policy.input_s = {mb: float(s) for (stage, mb), s in to_input.items() if stage == chunk.stage}
+    return pipe, mb_size, kw
+
+
+def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple[dict, list[dict]]:
+    torch.manual_seed(seed)
+    task = Task(cfg["task"], seed)
+    D = cfg["devices"]
+    pipe, mb_size, kw = build_pipeline(method, task, cfg, window)
     per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
     per_call = kw["microbatches"] // per_update  # updates per train_step
     curve, steps, t0, train_losses = [], 0, time.perf_counter(), []
@@ -422,7 +397,8 @@ def report(out: str) -> None:
         print(f"| method | seeds | {metric} (mean ± std) | paired Δ vs {ref} (same seeds) | {hit_col} (mean; runs that reached it) | final train loss "
               f"| extra weight bytes per stage (seed {by[next(iter(by))][0]['seed']}) | fraction of stage weights |")
         print("|---|---|---|---|---|---|---|---|")
-        for m in [m for m in METHODS + ZB_METHODS + tuple(f"s-{r}" for r in S_RULES) if m in by]:
+        known = METHODS + ZB_METHODS + tuple(ABLATION)
+        for m in [m for m in known if m in by] + [m for m in by if m not in known]:   # e.g. retired methods' rows
             rs = by[m]
             vals = [float(r[metric]) for r in rs]
             hits = [int(r[hit_col]) for r in rs if r[hit_col] != ""]

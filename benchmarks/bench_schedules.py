@@ -1,17 +1,18 @@
 """How do the schedules compare as the pipeline deepens? Bubble ratio, makespan, memory and traffic of every
-schedule (both BitPipe and Chimera concatenations) at D = 4, 8, 16, 32 and several N, with backward = forward
-and backward = 2 x forward, free communication. Simulated (pipeoptim.sim), so it runs on any machine. Split
-backwards (zb-h1, zbv, dualpipev, async-zb) cost I = W = half the backward unless ``--weight-share`` says
-otherwise.
+schedule (BitPipe's three orders, Chimera's two concatenations, the zero-bubble ones) at D = 4, 8, 16, 32 and
+several N, with backward = forward and backward = 2 x forward, free communication. Simulated (pipeoptim.sim), so
+it runs on any machine. Split backwards (zb-h1, zbv, dualpipev, async-zb) cost I = W = half the backward unless
+``--weight-share`` says otherwise.
 
 Writes benchmarks/results/schedules.csv, schedules_bubble.png (bubble vs N, one panel per D and ratio) and
-schedules_bitpipe.png (reference vs paced BitPipe concatenation against interleaved 1F1B), and prints the
-command that produced them. ``--tag T`` writes schedules_T.csv and schedules_T_winners.md instead (no plots):
-per D, N, backward ratio and link, every schedule's bubble (asynchronous ones: per N micro-batches of a long
-run) and which synchronous schedule wins; ``--p2p-latency`` adds a link on which each hop takes that many
-forward units (one D-th of the model's forward = 1), so finer-cut schedules pay more per unit of work.
+schedules_bitpipe.png (BitPipe's reference, greedy and paced orders against interleaved 1F1B), prints the
+BitPipe concatenation table (the README's) and the command that produced them. ``--tag T`` writes
+schedules_T.csv and schedules_T_winners.md instead (no plots): per D, N, backward ratio and link, every
+schedule's bubble (asynchronous ones: per N micro-batches of a long run) and which synchronous schedule wins;
+``--p2p-latency`` adds a link on which each hop takes that many forward units (one D-th of the model's
+forward = 1), so finer-cut schedules pay more per unit of work.
 
-    python benchmarks/bench_schedules.py                 # the full sweep (minutes)
+    python benchmarks/bench_schedules.py                 # the full sweep (19 minutes on the loaded 2-core VM)
     python benchmarks/bench_schedules.py --devices 4 8 --multiples 1 2 --out /tmp/r
     python benchmarks/bench_schedules.py --devices 8 16 32 --multiples 4 --p2p-latency 0 0.1 --tag zero_bubble \
         --schedules 1f1b interleaved chimera bitpipe zb-h1 zbv dualpipev async-1f1b async-zb
@@ -29,7 +30,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from pipeoptim.sim import Costs, compare  # noqa: E402
+from pipeoptim.schedules import ScheduleConfigError, get_schedule  # noqa: E402
+from pipeoptim.sim import Costs, compare, simulate  # noqa: E402
 
 FIELDS = ["devices", "microbatches", "bwd_ratio", "weight_share", "p2p_latency", "schedule", "bubble_ratio",
           "steady_bubble", "makespan", "peak_activations", "weight_copies", "weight_versions", "p2p_bytes_per_device",
@@ -48,7 +50,10 @@ def sweep(devices: list[int], multiples: list[int], ratios: list[float], weight_
                     costs = Costs(forward=1.0, backward=ratio, backward_input=ratio * (1 - weight_share),
                                   backward_weight=ratio * weight_share, p2p_latency=lat)
                     for r in compare(D, k * D, costs, names=names):
-                        rows.append({**r, "bwd_ratio": ratio, "weight_share": weight_share, "p2p_latency": lat})
+                        extra = {"bwd_ratio": ratio, "weight_share": weight_share, "p2p_latency": lat}
+                        rows.append({**r, **extra})
+                        if r["schedule"] == "bitpipe[reference]":
+                            rows.append({**bitpipe_greedy(D, k * D, costs), **extra})
                     print(f"  D={D:2d} N={k * D:3d} B/F={ratio:g} latency={lat:g}: {time.perf_counter() - t0:.1f}s",
                           flush=True)
     return rows
@@ -101,6 +106,37 @@ def winners(rows: list[dict], skip: tuple[str, ...] = ()) -> str:
     return "\n".join(lines)
 
 
+def bitpipe_greedy(D: int, N: int, costs: Costs) -> dict:
+    """The row compare() would give BitPipe's greedy order (it gives the reference and paced ones)."""
+    try:
+        schedule = get_schedule("bitpipe", D, N, concat="greedy")
+    except ScheduleConfigError as e:
+        return {"schedule": "bitpipe[greedy]", "devices": D, "microbatches": N, "error": str(e)}
+    row = simulate(schedule, costs).summary()
+    return {**row, "steady_bubble": row["bubble_ratio"]}
+
+
+def concat_table(rows: list[dict], ratio: float) -> str:
+    """Markdown: BitPipe's bubble per order next to interleaved 1F1B (v = 2), and peak activations (largest
+    device peak, and the end devices', in D-ths of the model), at backward = ratio x forward."""
+    names = ["bitpipe[reference]", "bitpipe[greedy]", "bitpipe[paced]", "interleaved"]
+    out = ["| D | N | reference | greedy | paced | interleaved, v=2 | peak activations: reference / greedy / paced "
+           "(end devices) |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["devices"], r["microbatches"]) for r in rows if r["bwd_ratio"] == ratio and
+                   r["schedule"] == "bitpipe[reference]" and not r.get("error")})
+    for D, N in keys:
+        by = {r["schedule"]: r for r in rows if (r["devices"], r["microbatches"]) == (D, N)
+              and r["bwd_ratio"] == ratio}
+        peaks = []
+        for concat in ("reference", "greedy", "paced"):   # per device (the rows keep only the largest)
+            p = simulate(get_schedule("bitpipe", D, N, concat=concat, bwd_ratio=ratio),
+                         Costs(forward=1.0, backward=ratio)).peak_activations
+            peaks.append(f"{max(p):g} ({p[0]:g})")
+        out.append(f"| {D} | {N} | " + " | ".join(f"{by[n]['bubble_ratio']:.4f}" for n in names) + " | "
+                   + " / ".join(peaks) + " |")
+    return "\n".join(out)
+
+
 def plot_bubbles(rows: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -147,7 +183,7 @@ def plot_bitpipe(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(devices), figsize=(4.2 * len(devices), 3.6), dpi=110, squeeze=False)
     for ax, D in zip(axes[0], devices):
         for name, colour in (("interleaved", "#55a868"), ("bitpipe[reference]", "#c44e52"),
-                             ("bitpipe[paced]", "#4c72b0"), ("1f1b", "#999999")):
+                             ("bitpipe[greedy]", "#dd8452"), ("bitpipe[paced]", "#4c72b0"), ("1f1b", "#999999")):
             pts = sorted((r["microbatches"], r["bubble_ratio"]) for r in rows if r["schedule"] == name
                          and r["devices"] == D and r["bwd_ratio"] == ratio and not r.get("error"))
             if pts:
@@ -158,7 +194,8 @@ def plot_bitpipe(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("bubble ratio")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("BitPipe: reference (direct) vs paced concatenation of groups of D micro-batches", fontsize=9)
+    fig.suptitle("BitPipe: the published order (reference), greedy and paced concatenation of groups of D "
+                 "micro-batches", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -190,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
-        # BitPipe's reference concatenation is reworked elsewhere (issue 16); the table shows the paced one
-        table = winners(rows, skip=("bitpipe[reference]", "chimera[reference]"))
+        # one column per BitPipe/Chimera order would crowd the table: it shows the paced ones (the fastest)
+        table = winners(rows, skip=("bitpipe[reference]", "bitpipe[greedy]", "chimera[reference]"))
         md_path = os.path.join(args.out, f"schedules_{args.tag}_winners.md")
         with open(md_path, "w") as f:
             f.write(f"<!-- {command.strip()} -->\n{table}\n")
@@ -206,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     plot_bubbles(rows, os.path.join(args.out, "schedules_bubble.png"))
     plot_bitpipe(rows, os.path.join(args.out, "schedules_bitpipe.png"))
-    print(f"wrote {csv_path}, schedules_bubble.png, schedules_bitpipe.png in {args.out}")
+    ratio = max(args.bwd_ratio)
+    print(f"\nBitPipe's orders, backward = {ratio:g} x forward, free communication (bubble ratio):\n")
+    print(concat_table(rows, ratio))
+    print(f"\nwrote {csv_path}, schedules_bubble.png, schedules_bitpipe.png in {args.out}")
     print(f"command: {command.strip()}")
     return 0
 

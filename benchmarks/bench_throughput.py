@@ -19,9 +19,12 @@ compared with synchronous 1F1B per N micro-batches of a long run: for async, the
 window over an N window (fill and drain paid once per run, not per N).
 
     python benchmarks/bench_throughput.py [--dims 8 16 32] [--n-per-d 2 4] [--comm-frac 0.1]
+    python benchmarks/bench_throughput.py --costs benchmarks/results/throughput_costs.csv   # re-project only
 
-Writes benchmarks/results/throughput_costs.csv (measured costs), throughput_projection.csv (one row per
-schedule, D, N, scenario), throughput_speedup.png; prints the reproducing command.
+Writes benchmarks/results/throughput_costs.csv (measured costs; not with --costs, which reuses costs measured
+before, so that a change to a schedule moves only that schedule's rows), throughput_projection.csv (one row per
+schedule, D, N, scenario), throughput_speedup.png; prints the reproducing command. BitPipe appears with its three
+orders (reference: the published one; greedy; paced).
 """
 from __future__ import annotations
 
@@ -77,6 +80,16 @@ def measure_costs(d_model: int, seq_len: int, mbs: int, repeats: int) -> dict:
     return med
 
 
+def load_costs(path: str) -> dict:
+    """The costs row of a throughput_costs.csv written by an earlier run."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    if len(rows) != 1 or not {"forward", "backward", "step", "predict", "activation_bytes"} <= set(rows[0]):
+        raise SystemExit(f"{path} is not a throughput_costs.csv (one row with forward, backward, step, predict, "
+                         "activation_bytes); run without --costs to measure")
+    return {k: float(v) for k, v in rows[0].items()}
+
+
 def scenarios(c: dict, comm_frac: float):
     from pipeoptim.sim import Costs
     base = Costs(forward=c["forward"], backward=c["backward"], step=c["step"], predict=c["predict"],
@@ -105,6 +118,12 @@ def project(c: dict, dims, n_per_d, comm_frac: float) -> list[dict]:
                                  "schedule": r["schedule"], "time_per_N_s": r["makespan"],
                                  "bubble": r["bubble_ratio"], "microbatches_per_s": N / r["makespan"],
                                  "weight_copies": r["weight_copies"], "peak_activations": r["peak_activations"]})
+                if N % D == 0:            # BitPipe's third order (compare() gives reference and paced)
+                    g = simulate(get_schedule("bitpipe", D, N, concat="greedy"), costs)
+                    rows.append({"devices": D, "microbatches": N, "bwd": ratio_name, "comm": comm,
+                                 "schedule": "bitpipe[greedy]", "time_per_N_s": g.makespan, "bubble": g.bubble_ratio,
+                                 "microbatches_per_s": N / g.makespan, "weight_copies": max(g.weight_copies),
+                                 "peak_activations": max(g.peak_activations)})
                 # async 1F1B, steady state: what each further N micro-batches cost (with PipeOptim's prediction)
                 for pred in (False, True):
                     a = simulate(get_schedule("async-1f1b", D, N), costs, prediction=pred)
@@ -143,8 +162,8 @@ def _write(path: str, rows: list[dict]) -> None:
 
 
 def _table(rows: list[dict], comm: str, n_per_d: int) -> None:
-    names = ["1f1b", "interleaved", "chimera[reference]", "chimera[paced]", "bitpipe[reference]", "bitpipe[paced]",
-             "async-1f1b", "async-1f1b+predict"]
+    names = ["1f1b", "interleaved", "chimera[reference]", "chimera[paced]", "bitpipe[reference]", "bitpipe[greedy]",
+             "bitpipe[paced]", "async-1f1b", "async-1f1b+predict"]
     print(f"\nthroughput relative to sync 1F1B (N = {n_per_d}D, comm={comm}); bubble in brackets\n")
     print("| D | B/F | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
@@ -155,7 +174,8 @@ def _table(rows: list[dict], comm: str, n_per_d: int) -> None:
         for n in names:
             r = next((x for x in rows if x["schedule"] == n and x["comm"] == comm and x["devices"] == r0["devices"]
                       and x["microbatches"] == r0["microbatches"] and x["bwd"] == r0["bwd"]), None)
-            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({r['bubble']:.2f})")
+            bubble = max(r["bubble"], 0.0) if r and "error" not in r else 0.0   # no "-0.00" from rounding
+            cells.append("–" if r is None or "error" in r else f"{r['vs_1f1b']:.3f} ({bubble:.2f})")
         print(f"| {r0['devices']} | {r0['bwd']} | " + " | ".join(cells) + " |")
 
 
@@ -202,6 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--comm-frac", type=float, default=0.1,
                     help="assumed link: one activation send takes this fraction of a forward")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--costs", help="a throughput_costs.csv from an earlier run: project with those costs instead "
+                                    "of measuring again")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if any(D < 2 or D % 2 for D in args.dims):
@@ -210,14 +232,21 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     print("command: python " + " ".join([os.path.relpath(os.path.abspath(__file__))] +
                                         (list(argv) if argv is not None else sys.argv[1:])), flush=True)
-    c = measure_costs(args.d_model, args.seq_len, args.microbatch_size, args.repeats)
-    print(f"measured one GPT block (d_model={args.d_model}, seq {args.seq_len}, micro-batch {args.microbatch_size}, "
-          f"{c['params']} params, {args.threads} thread): forward {c['forward'] * 1e3:.2f} ms, backward "
+    if args.costs:
+        c = load_costs(args.costs)
+        args.d_model, args.seq_len, args.microbatch_size, args.threads = (
+            int(c[k]) for k in ("d_model", "seq_len", "microbatch_size", "threads"))
+    else:
+        c = measure_costs(args.d_model, args.seq_len, args.microbatch_size, args.repeats)
+    source = f"costs from {args.costs} for" if args.costs else "measured"
+    print(f"{source} one GPT block (d_model={args.d_model}, seq {args.seq_len}, micro-batch {args.microbatch_size}, "
+          f"{int(c['params'])} params, {args.threads} thread): forward {c['forward'] * 1e3:.2f} ms, backward "
           f"{c['backward'] * 1e3:.2f} ms (B/F {c['backward'] / c['forward']:.2f}), AdamW step {c['step'] * 1e3:.3f} ms,"
           f" prediction {c['predict'] * 1e3:.3f} ms")
-    _write(os.path.join(args.out, "throughput_costs.csv"),
-           [{"d_model": args.d_model, "seq_len": args.seq_len, "microbatch_size": args.microbatch_size,
-             "threads": args.threads, **c}])
+    if not args.costs:
+        _write(os.path.join(args.out, "throughput_costs.csv"),
+               [{"d_model": args.d_model, "seq_len": args.seq_len, "microbatch_size": args.microbatch_size,
+                 "threads": args.threads, **c}])
     rows = project(c, args.dims, args.n_per_d, args.comm_frac)
     _write(os.path.join(args.out, "throughput_projection.csv"), rows)
     for k in args.n_per_d:

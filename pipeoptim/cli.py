@@ -68,8 +68,9 @@ def _schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bwd-ratio", type=_positive_float, default=2.0,
                    help="backward cost / forward cost (default 2)")
     _weight_share_argument(p)
-    p.add_argument("--concat", choices=("reference", "paced"), default="reference",
-                   help="chimera/bitpipe: how groups of D micro-batches are joined (default reference)")
+    p.add_argument("--concat", choices=("reference", "greedy", "paced"), default="reference",
+                   help="chimera/bitpipe: how groups of D micro-batches are joined (default reference: the "
+                        "published order; greedy: bitpipe only)")
     p.add_argument("--update-every", type=_positive_int, default=None, help="2bw: micro-batches per update m")
     p.add_argument("--data-parallel", action="store_true",
                    help="add gradient syncs across data-parallel copies of the pipeline")

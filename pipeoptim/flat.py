@@ -75,8 +75,11 @@ def rule_for(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
-def needs_last_grad(rule: str, group: dict) -> bool:
-    """Whether `rule`'s exact prediction for this group reads the last gradient."""
+def needs_last_grad(rule: str, group: dict, mode: str = "exact") -> bool:
+    """Whether `rule`'s prediction for this group reads the last gradient (mode "reference": SGD always, as
+    the public PipeOptim code adds p.grad to the momentum buffer)."""
+    if mode == "reference":
+        return rule == "sgd"
     for cls, (name, needs) in _REGISTERED.items():
         if name == rule:
             return needs
@@ -337,12 +340,12 @@ class FlatBinding:
         these (one op each) before the step. In mixed precision they are the working-dtype gradients."""
         return [g.grad for g in self.groups]
 
-    def keep_last_grad(self) -> None:
-        """Keep a copy of each step's gradient where the group's rule reads it (`state['grad']` of the
-        kernels): torch.optim does not keep it and the gradient buffer is zeroed after the step. Until the
-        next step the copy is zero."""
+    def keep_last_grad(self, mode: str = "exact") -> None:
+        """Keep a copy of each step's gradient where the group's rule reads it in prediction mode `mode`
+        (`state['grad']` of the kernels): torch.optim does not keep it and the gradient buffer is zeroed after
+        the step. Until the next step the copy is zero."""
         for g in self.groups:
-            if g.last_grad is None and needs_last_grad(g.rule, self.group_hparams(g)):
+            if g.last_grad is None and needs_last_grad(g.rule, self.group_hparams(g), mode):
                 g.last_grad = torch.zeros_like(g.w)
 
     def zero_grad(self) -> None:

@@ -121,15 +121,19 @@ class Predictor:
             raise RuntimeError("mechanism 'swap' needs torch.UntypedStorage._swap_data_ptr_ (torch >= 2.3); "
                                "use mechanism='pointer'")
         if mode not in pk.MODES:
-            raise ValueError(f"mode must be 'exact' or 'paper', got {mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(pk.MODES)}, got {mode!r}")
         if mode == "paper" and direction is None and binding.rule not in pk.PAPER_RULES:
             raise ValueError(f"mode='paper' reproduces the paper's table, which covers only "
                              f"{', '.join(pk.PAPER_RULES)}; this optimizer's rule is {binding.rule!r}: use mode='exact'")
+        if mode == "reference" and direction is None and binding.rule not in pk.REFERENCE_RULES:
+            raise ValueError(f"mode='reference' reproduces the public PipeOptim code, which predicts only for "
+                             f"{', '.join(pk.REFERENCE_RULES)}; this optimizer's rule is {binding.rule!r}: use "
+                             "mode='exact'")
         self.binding, self.saved, self.mechanism = binding, saved, mechanism
         self.mode, self.backend = mode, backend
         self.direction = direction or self._own_direction
         if direction is None:
-            binding.keep_last_grad()
+            binding.keep_last_grad(mode)
         self._buffers: list[torch.Tensor] | None = None  # allocated on first use, see `buffers`
         self._tag: tuple | None = None  # what the buffers hold: (version, s, lrs, mode) of a prediction
         self._remove = binding.on_after_step(self.invalidate)

@@ -18,12 +18,12 @@ from typing import Mapping
 import torch
 
 from . import compiled, eager, rules, triton_backend
-from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, STATE_ENTRIES, STEP_PREDICT_RULES,
-                    register_rule)
+from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, REFERENCE_RULES, STATE_ENTRIES,
+                    STEP_PREDICT_RULES, register_rule)
 from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s, same_buffer
 
 __all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
-           "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
+           "REFERENCE_RULES", "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
 
 BACKENDS = ("auto", "eager", "triton", "cpu", "cuda")
 _HOW_TO_GET = {
@@ -110,7 +110,8 @@ def predict(rule: str, w: torch.Tensor, state: Mapping[str, torch.Tensor], group
     if not isinstance(rule, str) or (rule not in BUILTIN_RULES and rules.custom_rule(rule) is None):
         raise rules.unknown_rule_error(rule)
     if mode not in MODES:
-        raise ValueError(f"mode must be 'exact' (the optimizer's full rule) or 'paper' (the paper's table), got {mode!r}")
+        raise ValueError(f"mode must be 'exact' (the optimizer's full rule), 'paper' (the paper's table) or "
+                         f"'reference' (the public PipeOptim code's rule), got {mode!r}")
     check_flat("w", w)
     group = check_group(group)
     step, s = check_step_s(step, s)
@@ -134,7 +135,8 @@ def predict(rule: str, w: torch.Tensor, state: Mapping[str, torch.Tensor], group
     if builtin:
         plan = _plan(rules.predict_plan, rule, state, group, step, s, mode)
     elif mode != "exact":
-        raise ValueError(f"mode='paper' exists only for {', '.join(PAPER_RULES)}; custom rule {rule!r} has no paper mode")
+        raise ValueError(f"mode={mode!r} exists only for {', '.join(PAPER_RULES)}; custom rule {rule!r} has only "
+                         "mode='exact'")
     if out is None:
         out = torch.empty_like(w)
     if builtin:

@@ -39,8 +39,10 @@ STATE_ENTRIES: dict[str, tuple[str, ...]] = {
 }
 BUILTIN_RULES = tuple(STATE_ENTRIES)
 PAPER_RULES = ("sgd", "adam", "adamw")
+REFERENCE_RULES = ("sgd", "adam", "adamw")
 STEP_PREDICT_RULES = ("sgd", "adam", "adamw")
-MODES = ("exact", "paper")
+MODES = ("exact", "paper", "reference")
+REFERENCE_EPS = 1e-8   # the public PipeOptim code's Adam/AdamW prediction ignores the group's eps
 
 # torch.optim class name -> rule name, for callers that hold an optimizer object.
 OPTIMIZER_CLASSES = {
@@ -161,6 +163,9 @@ def predict_plan(rule: str, state: Mapping, group: Mapping, step: int, s: float,
         raise ValueError(f"mode='paper' covers only {', '.join(PAPER_RULES)} (the paper's table); "
                          f"use mode='exact' for {rule!r}")
 
+    if mode == "reference":
+        return _reference_plan(plan, rule, state, group, step)
+
     if rule == "sgd":
         mu = scalar(group.get("momentum", 0.0))
         if mu != 0.0:
@@ -237,6 +242,52 @@ def predict_plan(rule: str, state: Mapping, group: Mapping, step: int, s: float,
         return plan
 
     raise unknown_rule_error(rule)
+
+
+def _reference_plan(plan: PredictPlan, rule: str, state: Mapping, group: Mapping, step: int) -> PredictPlan:
+    """The public PipeOptim code's prediction, reproduced (mode "reference").
+
+    Adam, AdamW: m̂/(√v̂ + 1e-8), whatever the group's eps, amsgrad and weight decay.
+    SGD: Δ = μ·buf + (1−τ)·p.grad for momentum μ > 0 (nesterov ignored), Δ = p.grad for μ = 0, where p.grad
+    is what the old torch it ran on left there after the step: g + λ·w_b, the weight decay added in place
+    with the weights w_b from before that step. The gradient is counted twice (buf already holds it), and
+    w_b is recovered from the current weights and the step just taken (w_b = w + lr·update), with the
+    group's current lr: exact unless the lr changed between that step and this prediction.
+    """
+    if rule in ("adam", "adamw"):
+        b1, b2 = (scalar(b) for b in group["betas"])
+        plan.m, plan.v = _need(state, "exp_avg", rule, "m_t"), _need(state, "exp_avg_sq", rule, "v_t")
+        plan.cm, plan.den = 1.0 / (1.0 - b1 ** step), DEN_SQRT
+        plan.dscale, plan.eps = 1.0 / math.sqrt(1.0 - b2 ** step), REFERENCE_EPS
+        return plan
+    if rule != "sgd":
+        raise ValueError(f"mode='reference' reproduces the public PipeOptim code, which predicts only for "
+                         f"{', '.join(REFERENCE_RULES)}; use mode='exact' for {rule!r}")
+    if group.get("maximize", False):
+        raise ValueError("mode='reference' reproduces code written before SGD had maximize=True; use "
+                         "mode='exact' to maximize")
+    lr, wd = scalar(group["lr"]), scalar(group.get("weight_decay", 0.0))
+    mu, tau = scalar(group.get("momentum", 0.0)), scalar(group.get("dampening", 0.0))
+    if wd * lr >= 1.0:
+        raise ValueError(f"mode='reference' recovers the weights before the last step from lr·weight_decay < 1 "
+                         f"(got lr={lr}, weight_decay={wd}); use mode='exact'")
+    plan.g = _need(state, "grad", rule, "the last gradient, which the public code reads from p.grad")
+    # p.grad = d = g + λ·w_b and w_b = w + lr·u, u the update just applied: u = buf (momentum), u = d + μ·buf
+    # (nesterov), u = d (no momentum). Solved for d: d = (g + λ·w + λ·lr·k·buf) / (1 − c·λ·lr) with k the
+    # weight of buf in u and c = 1 when u contains d.
+    if mu == 0.0:
+        k, c = 0.0, 1.0
+    elif group.get("nesterov", False):
+        k, c = mu, 1.0
+    else:
+        k, c = 1.0, 0.0
+    d = 1.0 / (1.0 - c * wd * lr)
+    weight = (1.0 - tau) if mu != 0.0 else 1.0      # of d in Δ
+    plan.cg, plan.cw = weight * d, weight * d * wd
+    if mu != 0.0:
+        plan.m = _need(state, "momentum_buffer", rule, "momentum > 0")
+        plan.cm = mu + weight * d * wd * lr * k
+    return plan
 
 
 # ---- fused step+predict plans ------------------------------------------------------------------------------

@@ -17,24 +17,6 @@ _spec.loader.exec_module(bc)
 TINY = dict(task="digits", devices=2, optimizer="sgd", lr=0.01, steps=8, mbs=8, eval_every=4, target=0.5)
 
 
-@pytest.fixture(autouse=True)
-def restore_policy_registry():
-    """The ablation registers extra policies in the global registry; undo it so other tests see the built-ins."""
-    from pipeoptim.policies import POLICIES
-    before = dict(POLICIES)
-    yield
-    POLICIES.clear()
-    POLICIES.update(before)
-
-
-def test_s_rules():
-    assert bc.s_of_rule("schedule", 1, stage=0, devices=4) == 1  # warm-up value passes through
-    assert bc.s_of_rule("paper", 1, stage=0, devices=4) == 3
-    assert bc.s_of_rule("code", 0, stage=3, devices=4) == 1    # the public code predicts on the last stage too
-    with pytest.raises(ValueError, match="unknown s rule"):
-        bc.s_of_rule("bogus", 0, 0, 4)
-
-
 def test_method_config_matches_samples_per_update():
     kw, size = bc.method_config("2bw", 4, 32, 8)
     assert kw["schedule"] == "2bw" and size == 8  # 4 micro-batches of 8 = 32 samples per update
@@ -46,15 +28,45 @@ def test_method_config_matches_samples_per_update():
         bc.method_config("pipedream-3", 4, 32, 8)
 
 
-def test_schedule_rule_equals_plain_pipeoptim_and_paper_rule_differs(one_thread):
+def _lent_s_per_stage(method, cfg, window, windows=2):
+    """Train `windows` windows of `method`; returns ({stage: [s of every forward's prediction]}, pipeline)."""
+    import torch
+    torch.manual_seed(0)
+    task = bc.Task(cfg["task"], 0)
+    pipe, mb_size, kw = bc.build_pipeline(method, task, cfg, window)
+    seen = {}
+    for w in pipe.workers:
+        for chunk, st in w.stages.items():
+            log = seen.setdefault(chunk.stage, [])
+            real = st.policy.predictor.lend
+            st.policy.predictor.lend = lambda s, real=real, log=log: (log.append(s), real(s))[1]
+    for _ in range(windows):
+        pipe.train_step(task.batch(mb_size * kw["microbatches"]))
+    return seen, pipe
+
+
+def test_ablation_methods_predict_with_the_s_and_rule_they_name(one_thread):
+    D, window = 4, 8
+    cfg = {**TINY, "devices": D}
+    for method in ("s-schedule", "s-paper", "s-code", "reference"):
+        seen, pipe = _lent_s_per_stage(method, cfg, window)
+        modes = {st.policy.predictor.mode for w in pipe.workers for st in w.stages.values()}
+        assert modes == {"reference" if method == "reference" else "exact"}, method
+        for k in range(D):
+            if method == "s-schedule":     # PipeDream's async 1F1B: warm-up min(j, D-k-1), then D-k-1
+                first = [min(j, D - k - 1) for j in range(window)]
+                assert seen[k] == first * 2, (method, k, seen[k])
+            else:                          # constant, warm-up included; the code's D-k also on the last stage
+                assert seen[k] == [D - k - (1 if method == "s-paper" else 0)] * (2 * window), (method, k)
+
+
+def test_schedule_rule_is_plain_pipeoptim_bit_for_bit(one_thread):
     rows = {}
-    for m in ("pipeoptim-exact", "s-schedule", "s-paper", "s-code"):
+    for m in ("pipeoptim-exact", "s-schedule"):
         row, curve = bc.run_one("tiny", m, 0, TINY, window=4)
         rows[m] = row
         assert curve[-1]["step"] == row["steps"] == 8 and len(curve) == 2
     assert rows["s-schedule"]["final_loss"] == rows["pipeoptim-exact"]["final_loss"]
-    assert rows["s-paper"]["final_loss"] != rows["s-schedule"]["final_loss"]  # warm-up s differs
-    assert rows["s-code"]["final_loss"] != rows["s-paper"]["final_loss"]
     assert rows["pipeoptim-exact"]["extra_weight_frac_per_stage"].split()[0] == "1.00"
 
 

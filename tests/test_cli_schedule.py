@@ -28,6 +28,16 @@ def test_schedule_writes_png_trace_text_and_csv(tmp_path, capsys):
     assert open(csv).read().startswith("d0,F0>s0,F1>s0,F2<s3")
 
 
+def test_bitpipe_concatenations_from_the_command_line(capsys):
+    bubbles = {}
+    for concat in ("reference", "greedy", "paced"):
+        assert main(["schedule", "bitpipe", "-D", "4", "-N", "16", "--concat", concat, "--no-grid"]) == 0
+        bubbles[concat] = float(capsys.readouterr().out.splitlines()[-1].split(": ")[1])
+    assert bubbles["reference"] > bubbles["greedy"] > bubbles["paced"]       # 0.0943 > 0.0857 > 0.0495
+    assert main(["schedule", "chimera", "-D", "4", "-N", "4", "--concat", "greedy"]) == 2
+    assert "chimera has no concatenation 'greedy'" in capsys.readouterr().err
+
+
 def test_rule_violation_is_an_error_message_not_a_traceback(capsys):
     assert main(["schedule", "bitpipe", "--devices", "3", "--microbatches", "6"]) == 2
     err = capsys.readouterr().err

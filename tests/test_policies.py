@@ -517,3 +517,76 @@ def test_pipeoptim_holds_no_prediction_buffer_where_it_never_predicts():
     with policy.backward(3):
         y.sum().backward()
     assert policy.memory_report()["prediction"] == 101 * 100 * 4
+
+
+# ---- s rules and the public code's rule (mode "reference") ------------------------------------------------
+def _lent_s(pol, schedule_s):
+    """The s the policy predicts with for a forward the schedule gives `schedule_s` (None: no prediction)."""
+    seen = []
+    real = pol.predictor.lend
+
+    def spy(s):
+        seen.append(s)
+        return real(s)
+    pol.predictor.lend = spy
+    try:
+        with torch.no_grad(), pol.forward("probe", s=schedule_s):
+            pass
+    finally:
+        pol.predictor.lend = real
+    return seen[0] if seen else None
+
+
+@pytest.mark.parametrize("stage,schedule_s,expected", [
+    (1, 0, {"schedule": 0, "paper": 2.0, "reference": 3.0}),        # warm-up: the constant rules ignore it
+    (1, 2, {"schedule": 2, "paper": 2.0, "reference": 3.0}),
+    (3, 0, {"schedule": 0, "paper": 0.0, "reference": 1.0}),        # the code predicts on the last stage too
+])
+def test_s_rules_give_schedule_paper_and_public_code_s(stage, schedule_s, expected):
+    for rule, s in expected.items():
+        _, _, pol, _ = build("pipeoptim", opt=lambda p: O.SGD(p, lr=0.1, momentum=0.9), s_rule=rule,
+                             stage=stage, stages=4)
+        assert _lent_s(pol, schedule_s) == s, rule
+
+
+def test_reference_mode_uses_the_codes_s_and_needs_the_stage():
+    _, _, pol, _ = build("pipeoptim", opt=lambda p: O.SGD(p, lr=0.1, momentum=0.9), mode="reference")
+    assert pol.s_rule == "reference"
+    with pytest.raises(ValueError, match=r"policy.place\(stage, stages\)"):
+        _lent_s(pol, 1)
+    pol.place(2, 4)
+    assert _lent_s(pol, 1) == 2.0
+    with pytest.raises(ValueError, match="0 <= stage < stages"):
+        pol.place(4, 4)
+    with pytest.raises(ValueError, match="s_rule must be one of"):
+        build("pipeoptim", s_rule="code")
+
+
+def test_reference_mode_forward_reads_the_public_codes_prediction():
+    """SGD with momentum, dampening and weight decay, stage 0 of 3: the forward reads
+    ŵ = w − 3·lr·(μ·buf + (1−τ)·(g + λ·w_b)), w_b the weights before the last step (old torch's p.grad)."""
+    lr, mu, tau, wd, D = 0.05, 0.9, 0.1, 0.02, 3
+    torch.manual_seed(3)
+    model = XWT()
+    opt = O.SGD(model.parameters(), lr=lr, momentum=mu, dampening=tau, weight_decay=wd)
+    pol = make_policy("pipeoptim", model, opt, mode="reference", stage=0, stages=D)
+    for _ in range(3):
+        with pol.forward("mb", s=0):
+            y = model(XWT.example())
+        with pol.backward("mb"):
+            y.pow(2).mean().backward()
+        w_b = params64(model)
+        g = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        pol.step()
+    expected = {}
+    for n, p in model.named_parameters():
+        buf = opt.state[p]["momentum_buffer"].double()
+        expected[n] = p.detach().double() - D * lr * (mu * buf + (1 - tau) * (g[n] + wd * w_b[n]))
+    x = XWT.example()
+    with torch.no_grad(), pol.forward("next", s=0):
+        got = model(x).double()
+    want = torch.tanh(x.double() @ expected["weight"].T) @ expected["weight2"].T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    exact = make_policy("pipeoptim", model, opt, stage=0, stages=D, s_rule="reference", binding=pol.binding)
+    with torch.no_grad(), exact.forward("next", s=0):
+        assert not torch.allclose(model(x).double(), want, atol=1e-4)   # the exact rule predicts otherwise

@@ -43,9 +43,37 @@ def test_chrome_trace_has_one_track_per_device_and_every_action(bitpipe_result, 
     assert json.load(open(path))["otherData"]["bubble_ratio"] == pytest.approx(1 / 7)
 
 
-def test_comparison_png(tmp_path):
-    from pipeoptim.sim import compare
-    rows = {r: compare(4, 8, Costs(forward=1.0, backward=r), ["1f1b", "bitpipe"]) for r in (1.0, 2.0)}
-    path = save_comparison_png(rows, str(tmp_path / "c.png"), title="t")
+def test_comparison_png_draws_each_schedules_numbers(tmp_path, monkeypatch):
+    """Every panel has one bar per schedule and ratio whose height is that row's number, in the ratio's colour;
+    a schedule its rules exclude gets no bar (height 0); the PNG is written with those colours in it."""
     import matplotlib.image as mpimg
-    assert mpimg.imread(path).shape[1] > 1000
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from pipeoptim.sim import compare
+    rows = {r: compare(4, 8, Costs(forward=1.0, backward=r), ["1f1b", "bitpipe", "interleaved"]) for r in (1.0, 2.0)}
+    rows[2.0] = rows[2.0] + [{"schedule": "chimera", "error": "excluded"}]
+    rows[1.0] = rows[1.0] + [dict(rows[1.0][0], schedule="chimera")]
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), real_close(fig))[1])
+    path = save_comparison_png(rows, str(tmp_path / "c.png"), title="t")
+    (fig,) = figures
+    names = [r["schedule"] for r in rows[1.0]]
+    panels = [("steady_bubble", 0), ("peak_activations", 1), ("weight_versions", 2), ("p2p_bytes_per_device", 3)]
+    colours = {}
+    for key, i in panels:
+        ax = fig.axes[i]
+        assert [t.get_text() for t in ax.get_xticklabels()] == names
+        bars = ax.patches
+        assert len(bars) == 2 * len(names)
+        for j, ratio in enumerate(rows):
+            by_name = {r["schedule"]: r for r in rows[ratio]}
+            for k, name in enumerate(names):
+                bar = bars[j * len(names) + k]
+                want = 0.0 if "error" in by_name[name] else float(by_name[name][key])
+                assert bar.get_height() == pytest.approx(want), (key, ratio, name)
+                colours.setdefault(ratio, set()).add(bar.get_facecolor()[:3])
+    assert all(len(c) == 1 for c in colours.values()) and colours[1.0] != colours[2.0]
+    img = mpimg.imread(path)[..., :3].reshape(-1, 3)
+    for (rgb,) in colours.values():
+        assert (abs(img - to_rgb(rgb)) < 0.02).all(axis=1).mean() > 0.005, rgb   # each ratio's bars show

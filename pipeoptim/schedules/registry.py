@@ -73,7 +73,8 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
     """Generate schedule ``name`` for ``devices`` pipeline ranks and ``microbatches`` micro-batches.
 
     chunks:        interleaved only: chunks per device v (default 2).
-    concat:        chimera and bitpipe: "reference" or "paced" concatenation of groups (bidirectional.py).
+    concat:        chimera and bitpipe: "reference" or "paced" concatenation of groups; bitpipe also "greedy"
+                   (bidirectional.py).
     bwd_ratio:     chimera and bitpipe "paced": backward/forward cost ratio the order is planned for.
     update_every:  2bw only: micro-batches per weight update m (default D; must be >= D).
     data_parallel: the pipeline is one of several data-parallel copies: add their gradient syncs
