@@ -17,6 +17,16 @@ _spec.loader.exec_module(bc)
 TINY = dict(task="digits", devices=2, optimizer="sgd", lr=0.01, steps=8, mbs=8, eval_every=4, target=0.5)
 
 
+@pytest.fixture(autouse=True)
+def restore_policy_registry():
+    """The async-zb ablation registers a policy in the global registry; undo it so other tests see the built-ins."""
+    from pipeoptim.policies import POLICIES
+    before = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
 def test_method_config_matches_samples_per_update():
     kw, size = bc.method_config("2bw", 4, 32, 8)
     assert kw["schedule"] == "2bw" and size == 8  # 4 micro-batches of 8 = 32 samples per update
