@@ -22,10 +22,10 @@ CUDA_SOURCES = ["cuda/ops_cuda.cu"]
 # -Wno-psabi: the loops pass vectors only to always-inlined functions, never across a call ABI.
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi"]
 LINK_FLAGS = ["-fopenmp"]
-CUDA_ARCHS = ("80", "90")
-NVCC_FLAGS = ["-O3", "-DPIPEOPTIM_WITH_CUDA"] + [
-    f"-gencode=arch=compute_{a},code=sm_{a}" for a in CUDA_ARCHS
-]
+# The GPU targets come from TORCH_CUDA_ARCH_LIST, which torch turns into -gencode flags (and ignores
+# when these flags name an arch themselves); a build with no GPU to ask and no list set gets these.
+DEFAULT_CUDA_ARCH_LIST = "8.0;9.0"
+NVCC_FLAGS = ["-O3", "-DPIPEOPTIM_WITH_CUDA"]
 
 
 def cuda_home() -> str | None:
