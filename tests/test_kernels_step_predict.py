@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pipeoptim_kernels as pk
-from kernel_reference import CPU_BACKEND_IDS, assert_close_to_reference, reference_predict
+from kernel_reference import CPU_BACKEND_IDS, assert_close_to_reference, assert_second_moment_close, reference_predict
 
 
 STEP_CONFIGS = [
@@ -25,20 +25,6 @@ STEP_CONFIGS = [
 ATOL = 2.5e-7
 STATE_NAMES = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
                "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-
-
-def assert_second_moment_close(got, want, v_before, grad, w, hp, rule, msg):
-    """v = β2·v + (1−β2)·g² is a sum of positive terms: a correct fp32 step is a few ulps off relatively to
-    the magnitude of its terms, g's included (coupled weight decay can make g = grad + wd·w cancel). An
-    absolute bound would hide a relative error in v ≈ 1e-3·g² (see test_adam_second_moment_...)."""
-    beta2 = hp.get("betas", (0.9, 0.999))[1]
-    coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
-    g_magnitude = grad.double().abs() + coupled * w.double().abs()
-    scale = beta2 * v_before.double() + (1.0 - beta2) * g_magnitude ** 2
-    err = (got.double() - want.double()).abs()
-    bad = err > 8 * torch.finfo(torch.float32).eps * scale
-    assert not bad.any(), (f"{msg}: {int(bad.sum())} elements off, worst relative "
-                           f"{(err / scale).max().item():.2e} of the terms' magnitude")
 
 
 def _ids(cfg):
