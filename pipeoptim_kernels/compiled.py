@@ -2,7 +2,8 @@
 
 The extension `pipeoptim_kernels._C` is normally built by `pip install`. When it is missing (a source
 checkout that was never built) it is compiled just in time with ninja from `csrc/`; when that is not
-possible either, the package works on its eager backend and says so once.
+possible either, the package works on its eager backend and says so once. PIPEOPTIM_KERNELS_BUILD names
+another build's --build-lib folder to load it from first (CI's run under its oldest torch builds there).
 
 The ops (`torch.ops.pipeoptim.*`) take the scalars of a plan from `rules.py` as a float list (each
 plan's `coeffs()`, in the order of the structs in `csrc/rules.h`). Fake implementations make them
@@ -48,6 +49,11 @@ def load():
         if _state["tried"]:
             return _state["module"]
         module = None
+        other_build = _build.built_extension_dir()
+        if other_build != _build.ROOT / "pipeoptim_kernels":
+            package = importlib.import_module("pipeoptim_kernels")
+            if str(other_build) not in package.__path__:
+                package.__path__.insert(0, str(other_build))
         try:
             module = importlib.import_module("pipeoptim_kernels._C")
         except ImportError as import_error:

@@ -1,9 +1,5 @@
 """pipeoptim_kernels/_build.py: the flags the extension is built with, and what the build produced."""
-import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,31 +21,31 @@ def test_torch_cuda_arch_list_picks_the_gpu_targets(monkeypatch):
         assert _archs(flags + cpp_extension._get_cuda_arch_flags(flags)) == archs
 
 
-def _requested_archs() -> set[str]:
-    wanted = os.environ.get("TORCH_CUDA_ARCH_LIST") or _build.DEFAULT_CUDA_ARCH_LIST
-    return {a.split("+")[0].replace(".", "") for a in re.split(r"[;\s]+", wanted.strip()) if a}
-
-
-def _cuobjdump() -> str | None:
-    home = _build.cuda_home()
-    candidates = [Path(home, "bin", "cuobjdump")] if home else []
-    try:  # triton ships one
-        import triton.backends.nvidia as nvidia
-        candidates.append(Path(nvidia.__file__).parent / "bin" / "cuobjdump")
-    except ImportError:
-        pass
-    found = [str(c) for c in candidates if c.exists()] + [shutil.which("cuobjdump")]
-    return next((c for c in found if c), None)
-
-
 def test_built_extension_holds_code_for_each_requested_gpu():
     """The CUDA kernels compile in every CI run: the extension holds a cubin for each requested target."""
     module = compiled.load()
     if module is None or not module.with_cuda:
         pytest.skip("the extension was built without CUDA (no nvcc or a CPU build of torch)")
-    tool = _cuobjdump()
-    if tool is None:
+    if _build.cuobjdump() is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton) to list the extension's GPU code")
-    listing = subprocess.run([str(tool), "--list-elf", module.__file__], capture_output=True, text=True, check=True)
-    assert set(re.findall(r"\.sm_(\d+)\.cubin", listing.stdout)) == _requested_archs(), listing.stdout
+    assert _build.cubin_archs(module.__file__) == _build.requested_cuda_archs()
     assert torch.version.cuda is not None
+
+
+def test_stale_reason_says_why_a_build_is_needed(monkeypatch, tmp_path):
+    """What gpu_check.sh's build step asks before building: nothing built, a source newer than the build,
+    a missing GPU target; None for the extension this suite runs on (built after its sources)."""
+    if compiled.load() is None:
+        pytest.skip("the extension is not built")
+    assert _build.stale_reason() is None
+    monkeypatch.setattr(_build, "ROOT", tmp_path)
+    (tmp_path / "pipeoptim_kernels").mkdir()
+    assert _build.stale_reason() == "not built"
+    monkeypatch.undo()
+    if compiled.load().with_cuda and _build.cuobjdump():
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;9.0")
+        assert "sm_75" in _build.stale_reason()
+    newer = tmp_path / "rules.h"
+    newer.write_text("// touched\n")
+    monkeypatch.setattr(_build, "CSRC", tmp_path)
+    assert "rules.h changed after" in _build.stale_reason()
