@@ -15,7 +15,7 @@ TORCH_VERSION=2.11.0
 TRITON_VERSION=3.6.0
 VENV=".venv/torch-$TORCH_VERSION"
 VPY="$VENV/bin/python"
-pip_install() { "$VPY" -m pip install --quiet --disable-pip-version-check "$@"; }
+pip_install() { "$VPY" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts "$@"; }
 
 if ! "$VPY" -c "import torch, triton, pytest, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION' \
         or triton.__version__ != '$TRITON_VERSION')" 2>/dev/null; then
@@ -52,8 +52,12 @@ if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 export TORCH_CUDA_ARCH_LIST="${OLDEST_TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 start=$(date +%s)
-"$VPY" setup.py --quiet build_ext --build-temp "$VENV/build/temp" --build-lib "$VENV/build/lib"
-echo "extension for torch $TORCH_VERSION built or current in $(( $(date +%s) - start )) s"
+if ! "$VPY" setup.py build_ext --build-temp "$VENV/build/temp" --build-lib "$VENV/build/lib" > "$VENV/build.log" 2>&1; then
+    tail -n 60 "$VENV/build.log"
+    echo "building the extension under torch $TORCH_VERSION failed (whole log: $VENV/build.log)" >&2
+    exit 1
+fi
+echo "extension for torch $TORCH_VERSION built or current in $(( $(date +%s) - start )) s ($VENV/build.log)"
 
 export PIPEOPTIM_KERNELS_BUILD="$VENV/build/lib" TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export PATH="$PWD/$VENV/bin:$PATH"  # subprocesses (python3, gpu_check.sh's steps) use this torch too
