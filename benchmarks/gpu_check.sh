@@ -31,7 +31,7 @@ if [ "$DRY" = 1 ]; then
     export STEP_LIMIT_SCALE="${STEP_LIMIT_SCALE:-4}"  # the CPU forms are not sized to the GPU's minutes
     STEPS_TITLE="gpu_check dry run on the CPU"
 else
-    export DEV=cuda QUICK="" TRITON_INTERPRET=0 PIPEOPTIM_GPU_TESTS_ON_CPU=0 KERNEL_SIZES="--sizes 256M,1G --rounds 7"
+    export DEV=cuda QUICK="" TRITON_INTERPRET=0 PIPEOPTIM_GPU_TESTS_ON_CPU=0 KERNEL_SIZES="--sizes 256M,1G --rounds 5"
     STEPS_TITLE="gpu_check on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 fi
 export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")")}"
