@@ -38,10 +38,11 @@ def test_stale_reason_says_why_a_build_is_needed(monkeypatch, tmp_path):
     if compiled.load() is None:
         pytest.skip("the extension is not built")
     assert _build.stale_reason() is None
-    monkeypatch.setattr(_build, "ROOT", tmp_path)
-    (tmp_path / "pipeoptim_kernels").mkdir()
-    assert _build.stale_reason() == "not built"
-    monkeypatch.undo()
+    with monkeypatch.context() as nothing_built:
+        nothing_built.setattr(_build, "ROOT", tmp_path)
+        nothing_built.delenv("PIPEOPTIM_KERNELS_BUILD", raising=False)
+        (tmp_path / "pipeoptim_kernels").mkdir()
+        assert _build.stale_reason() == "not built"
     if compiled.load().with_cuda and _build.cuobjdump():
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;9.0")
         assert "sm_75" in _build.stale_reason()
