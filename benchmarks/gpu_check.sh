@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one check for a lent GPU (an H200 with torch 2.11 + triton 3.6 + nvcc 13.0 preinstalled, 16 cores,
 # no network): build the extension, run tests/gpu, benchmark the kernels, run the runtime on the GPU.
-# Each step is one line of the step runner (benchmarks/step_runner.sh): its own time limit, its log
-# and CSV under $OUT, a row in $OUT/steps.csv and $OUT/summary.txt rewritten as it ends, so a step
+# Each step is one line of the step runner (benchmarks/step_runner.sh): its own time limit, its CSV
+# under $OUT, its output in $OUT/log.txt, a row in $OUT/steps.csv and $OUT/summary.txt rewritten as it
+# ends (7 files in all: the device tool returns at most 8), so a step
 # that fails or times out keeps what the others made. The limits add to 555 s and the runner cuts the
 # last ones to a 560-s total: give the device command timeout_s=590.
 #
@@ -81,8 +82,7 @@ build_extension() {
         seconds=$(( $(date +%s) - start ))
         echo "built in $seconds s"
     fi
-    printf 'rebuilt,seconds,jobs,arch_list\n%s,%s,%s,"%s"\n' "$rebuilt" "$seconds" "$MAX_JOBS" "$TORCH_CUDA_ARCH_LIST" \
-        > "$OUT/build.csv"
+    printf 'build_rebuilt,%s\nbuild_seconds,%s\nbuild_jobs,%s\n' "$rebuilt" "$seconds" "$MAX_JOBS" >> "$OUT/env.csv"
     "$PY" -c "
 import pipeoptim_kernels as pk
 backends = pk.available_backends()
