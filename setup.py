@@ -20,7 +20,7 @@ def extensions():
     with_cuda = build.want_cuda()
     if with_cuda:
         os.environ.setdefault("CUDA_HOME", build.cuda_home())
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[0]}.{a[1]}" for a in build.CUDA_ARCHS))
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", build.DEFAULT_CUDA_ARCH_LIST)
         cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
         ext = cpp_extension.CUDAExtension(
             build.EXT_NAME, build.sources(True, HERE),

@@ -8,7 +8,15 @@ several calls of a variant in a row, so that each is measured on its own warm bu
 
     python benchmarks/bench_kernels.py                       # CPU, all rules, 1M / 8M / 64M parameters
     python benchmarks/bench_kernels.py --sizes 64M,256M --rules adam
-    python benchmarks/bench_kernels.py --device cuda --sizes 64M,256M,1G   # on a GPU
+    python benchmarks/bench_kernels.py --device cuda --sizes 256M,1G --rules adam,sgd   # on a GPU
+    python benchmarks/bench_kernels.py --device cpu --quick --out /tmp/k.csv            # seconds: a dry run
+
+On a GPU each round times several back-to-back calls of a variant between two CUDA events, after
+writing over a scratch buffer twice the L2's size (so no variant starts on another's cached lines);
+data is made on the GPU. The yardsticks there: the copy bandwidth, torch's fused and foreach Adam
+steps over the parameter list (what a training loop runs) and over one flat tensor, and a per-tensor
+loop of plain torch ops (no argument checks of ours, which a GPU would otherwise wait on). Rows are
+appended to the CSV as each rule and size finishes, so a run cut short keeps what it measured.
 
 Bytes per element are the minimal traffic of one pass: predict reads w and the state entries the rule
 uses and writes ŵ (Adam: 4+4+4 read, 4 written = 16 B; into a separate buffer the CPU also reads the
@@ -66,6 +74,10 @@ def gpt2_shapes(numel: int) -> list[tuple[int, ...]]:
     return shapes
 
 
+def size_label(n: int) -> str:
+    return f"{n / 2**20:.0f}M" if n >= 1 << 20 else f"{n / 2**10:.0f}K"
+
+
 def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     text = text.strip().upper()
@@ -76,10 +88,10 @@ class Buffers:
     """Flat w, grad, out and state for one rule, plus per-parameter views of each."""
 
     def __init__(self, rule: str, n: int, device: str, shapes):
-        gen = torch.Generator(device="cpu").manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)  # made where it is used: no host-to-GPU copies
         self.n = n
-        self.w = torch.randn(n, generator=gen).to(device)
-        self.grad = torch.randn(n, generator=gen).to(device) * 1e-2
+        self.w = torch.randn(n, generator=gen, device=device)
+        self.grad = torch.randn(n, generator=gen, device=device) * 1e-2
         self.out = torch.empty(n, device=device)
         self.scratch = self.w.clone()
         cls, hp = HYPER[rule]
@@ -91,9 +103,9 @@ class Buffers:
             elif name == "grad":
                 self.state[name] = self.grad
             elif name in ("exp_avg", "momentum_buffer", "grad_avg"):
-                self.state[name] = torch.randn(n, generator=gen).to(device) * 1e-2
+                self.state[name] = torch.randn(n, generator=gen, device=device) * 1e-2
             else:
-                self.state[name] = (torch.rand(n, generator=gen).to(device) + 0.5) * 1e-4
+                self.state[name] = (torch.rand(n, generator=gen, device=device) + 0.5) * 1e-4
         self.shapes = shapes
 
     def views(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -135,6 +147,23 @@ def foreach_predict(plan: rules.PredictPlan, ws, outs, views) -> None:
     torch._foreach_copy_(outs, num)
 
 
+def plain_predict(plan: rules.PredictPlan, w, out, m=None, g=None, v=None, vc=None) -> None:
+    """The plan's formula on one tensor with plain torch ops: what a per-tensor loop without our checks costs."""
+    num = w * plan.cw if plan.cw else torch.zeros_like(w)
+    if m is not None:
+        num = num.add_(m, alpha=plan.cm)
+    if g is not None:
+        num = num.add_(g, alpha=plan.cg)
+    if plan.den == rules.DEN_SQRT:
+        var = v if vc is None else v - vc * vc
+        num = num.div_(var.sqrt().mul_(plan.dscale).add_(plan.eps))
+    elif plan.den == rules.DEN_LINEAR:
+        num = num.div_(v)
+    if plan.lam:
+        num = num.add_(w, alpha=plan.lam)
+    torch.add(w, num, alpha=-plan.scale, out=out)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -142,16 +171,28 @@ def sync(device: str) -> None:
 
 def time_variants(variants: dict, device: str, rounds: int, repeats: int = 1) -> dict[str, list[float]]:
     """Seconds per call of each variant in each round, running them round-robin. With repeats > 1 (buffers
-    that fit in the cache), a round makes one untimed call and then times `repeats` calls in a row, so a
-    variant is not charged for the previous one's evictions or for waking the threads."""
+    that fit in the cache, or always on a GPU), a round makes one untimed call and then times `repeats`
+    calls in a row, so a variant is not charged for the previous one's evictions or for waking the
+    threads; on a GPU between CUDA events, after flushing the L2."""
     for fn in variants.values():  # warm-up (JIT, page faults, caches)
         fn()
     sync(device)
     times = {k: [] for k in variants}
+    flush = l2_flusher(device)
     for _ in range(rounds):
         for name, fn in variants.items():
             if repeats > 1:
                 fn()
+            if device == "cuda":
+                flush()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3 / repeats)
+                continue
             sync(device)
             t0 = time.perf_counter()
             for _ in range(repeats):
@@ -159,6 +200,15 @@ def time_variants(variants: dict, device: str, rounds: int, repeats: int = 1) ->
             sync(device)
             times[name].append((time.perf_counter() - t0) / repeats)
     return times
+
+
+def l2_flusher(device: str):
+    """A function that overwrites twice the GPU's L2 (60 MB on an H200) with zeros; a no-op on the CPU."""
+    if device != "cuda":
+        return lambda: None
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 64 << 20)
+    scratch = torch.empty(max(2 * l2, 1 << 20) // 4, device=device)
+    return scratch.zero_
 
 
 def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> float:
@@ -182,7 +232,12 @@ def predict_bytes(plan: rules.PredictPlan) -> int:
     return 4 * (1 + len(plan.tensors())) + 4
 
 
-def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: str) -> list[dict]:
+def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: str, repeats: int = 1,
+               gpu_rows: bool = False) -> list[dict]:
+    """Every variant's row for `rule` at n parameters, each round timing `repeats` calls in a row.
+    gpu_rows: the rows of a GPU run (bf16 out, Triton, torch's Adam over the parameter list), which a
+    --quick run on the CPU adds to try them out."""
+    gpu_rows = gpu_rows or device == "cuda"
     shapes = gpt2_shapes(n)
     b = Buffers(rule, n, device, shapes)
     step, s = 10, 3
@@ -198,9 +253,17 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
         for i in range(len(shapes)):
             pk.predict(rule, ws[i], per_state[i], b.group, step=step, s=s, out=outs[i], backend="eager")
 
+    plan_views = {k: views.get(id(t)) for k, t in (("m", plan.m), ("g", plan.g), ("v", plan.v), ("vc", plan.vc))
+                  if t is not None}
+
+    def torch_loop():
+        for i in range(len(shapes)):
+            plain_predict(plan, ws[i], outs[i], **{k: v[i] for k, v in plan_views.items()})
+
     variants = {
         "copy": lambda: b.out.copy_(copy_src),
         "per-tensor eager": per_tensor,
+        "per-tensor torch loop": torch_loop,
         "foreach": lambda: foreach_predict(plan, ws, outs, views),
         "flat eager": lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s, out=b.out, backend="eager"),
         compiled_backend: lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s, out=b.out,
@@ -211,8 +274,13 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
     }
     if device == "cpu":
         variants["cpu ordinary stores"] = ordinary_stores(variants[compiled_backend])
-    if device == "cuda" and "triton" in pk.available_backends():
-        variants["triton"] = lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s, out=b.out, backend="triton")
+    if gpu_rows:
+        out_bf16 = torch.empty(n, device=device, dtype=torch.bfloat16)
+        variants[f"{compiled_backend} bf16 out"] = lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s,
+                                                                      out=out_bf16, backend=compiled_backend)
+        if "triton" in pk.available_backends():
+            variants["triton"] = lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s, out=b.out,
+                                                    backend="triton")
     if rule == "adam":
         # torch's fused Adam on one flat parameter: its best case (over a list of ~800 tensors its CPU
         # kernel was 10x slower here), so the yardstick is as strong as it gets.
@@ -238,14 +306,29 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
             fused.step()
             pk.predict("adam", flat.detach(), fused_state, b.group, step=step, s=s, out=b.out, backend=compiled_backend)
         variants["torch fused Adam step + predict"] = fused_step_then_predict
+        if gpu_rows:  # what a training loop runs: the optimizer over the parameter list
+            for impl in ("fused", "foreach"):
+                params = [torch.nn.Parameter(t) for t in b.views(b.w.clone())]
+                for p, gv in zip(params, b.views(b.grad)):
+                    p.grad = gv
+                opt = torch.optim.Adam(params, lr=1e-3, **{impl: True})
+                for p, m, v in zip(params, b.views(b.state["exp_avg"].clone()), b.views(b.state["exp_avg_sq"].clone())):
+                    opt.state[p] = {"step": torch.tensor(10.0, device=device), "exp_avg": m, "exp_avg_sq": v}
+                variants[f"torch {impl} Adam step, parameter list"] = opt.step
+            if "triton" in pk.available_backends():
+                st_triton = {k: v.clone() for k, v in st.items()}
+                variants["triton step+predict"] = lambda: pk.step_predict(
+                    "adam", b.w, b.grad, st_triton, b.group, step=step, s=s, out=b.out, backend="triton")
         # A plain torch op with in-place Adam predict's memory traffic (reads w, m, v; writes w back): the
         # floor this machine's memory sets for that access pattern, measured in the same run.
         variants["addcmul_ (same traffic as in place)"] = lambda: b.scratch.addcmul_(
             b.state["exp_avg"], b.state["exp_avg_sq"], value=1e-30)
-    round_times = time_variants(variants, device, rounds, repeats=max(1, (8 << 20) // n))
+    round_times = time_variants(variants, device, rounds, repeats)
     times = {k: statistics.median(v) for k, v in round_times.items()}
     nbytes = predict_bytes(plan)
     byte_table = {"copy": 8, f"{compiled_backend} in place": nbytes, "torch fused Adam step": 28,
+                  "torch fused Adam step, parameter list": 28, "torch foreach Adam step, parameter list": 28,
+                  f"{compiled_backend} bf16 out": nbytes - 2, "triton step+predict": 32,
                   f"{compiled_backend} step+predict": 32, "cpu step+predict ordinary stores": 32,
                   f"{compiled_backend} step+predict, ŵ over grad": 32,
                   "torch fused Adam step + predict": 28 + 16, "addcmul_ (same traffic as in place)": 16}
@@ -257,6 +340,7 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
         rows.append({"device": device, "rule": rule, "params": n, "variant": name, "ms": round(sec * 1e3, 3),
                      "bytes_per_param": bpe, "GB_s": round(bw / 1e9, 2), "frac_copy_bw": round(bw / copy_bw, 3),
                      "speedup_vs_per_tensor": round(times["per-tensor eager"] / sec, 2),
+                     "speedup_vs_torch_loop": round(times["per-tensor torch loop"] / sec, 2),
                      "speedup_vs_foreach": round(times["foreach"] / sec, 2),
                      "time_vs_fused_adam": (round(paired_ratio(round_times, name, "torch fused Adam step"), 3)
                                             if "torch fused Adam step" in times else "")})
@@ -265,13 +349,15 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
 
 def summarize(rows: list[dict], compiled_backend: str) -> list[str]:
     """The issue's targets, checked on the measured rows (ratios from the same run)."""
+    if compiled_backend == "cuda":
+        return summarize_gpu(rows, "cuda")
     lines = []
     by = {(r["rule"], r["params"], r["variant"]): r for r in rows}
     for (rule, n, variant), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if variant != compiled_backend:
             continue
         pt = by.get((rule, n, "per-tensor eager"))
-        line = f"{rule:8s} {n / 2**20:7.0f}M  {compiled_backend} {r['ms']:9.2f} ms  {r['GB_s']:7.1f} GB/s"
+        line = f"{rule:8s} {size_label(n):>8s}  {compiled_backend} {r['ms']:9.2f} ms  {r['GB_s']:7.1f} GB/s"
         line += f"  {r['frac_copy_bw']:.2f}x copy bw"
         line += f"  {pt['ms'] / r['ms']:5.1f}x per-tensor eager"
         fused = by.get(("adam", n, "torch fused Adam step"))
@@ -293,6 +379,35 @@ def summarize(rows: list[dict], compiled_backend: str) -> list[str]:
     return lines
 
 
+def summarize_gpu(rows: list[dict], backend: str) -> list[str]:
+    """The GPU targets: predict at >= 0.9x the copy bandwidth and >= 5x a per-tensor torch loop;
+    step+predict faster than torch's fused Adam step followed by a predict."""
+    lines = []
+    by = {(r["rule"], r["params"], r["variant"]): r for r in rows}
+    for (rule, n, variant), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if variant != backend:
+            continue
+        line = (f"{rule:8s} {size_label(n):>8s}  {backend} {r['ms']:8.3f} ms  {r['GB_s']:7.1f} GB/s  "
+                f"{r['frac_copy_bw']:.2f}x copy bw (target >= 0.90)  {r['speedup_vs_torch_loop']:.1f}x "
+                f"per-tensor torch loop (target >= 5)")
+        for other in (f"{backend} bf16 out", "triton", f"{backend} in place"):
+            if (rule, n, other) in by:
+                line += f"; {other} {by[(rule, n, other)]['frac_copy_bw']:.2f}x copy bw"
+        if rule == "adam":
+            sp, both = by[("adam", n, f"{backend} step+predict")], by[("adam", n, "torch fused Adam step + predict")]
+            line += (f"\n{'':17s}step+predict {sp['ms']:.3f} ms: {both['ms'] / sp['ms']:.2f}x faster than torch's fused "
+                     f"step then predict (target > 1), {sp['time_vs_fused_adam']:.2f}x torch's fused step on one tensor")
+            for impl in ("fused", "foreach"):
+                row = by.get(("adam", n, f"torch {impl} Adam step, parameter list"))
+                if row:
+                    line += f", {row['ms'] / sp['ms']:.2f}x faster than {impl} Adam over the parameter list"
+            tsp = by.get(("adam", n, "triton step+predict"))
+            if tsp:
+                line += f"; triton step+predict {tsp['ms']:.3f} ms"
+        lines.append(line)
+    return lines
+
+
 def _ordinary(by: dict, rule: str, n: int, variant: str) -> str:
     row = by.get((rule, n, variant))
     return f", ordinary stores {row['time_vs_fused_adam']:.2f}" if row else ""
@@ -302,16 +417,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--sizes", default=None, help="comma list, e.g. 1M,8M,64M (default CPU 1M,8M,64M; GPU 64M,256M,1G)")
+    ap.add_argument("--sizes", default=None, help="comma list, e.g. 1M,8M,64M (default CPU 1M,8M,64M; GPU 256M,1G)")
     ap.add_argument("--rules", default=",".join(pk.BUILTIN_RULES))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=5,
+                    help="GPU: back-to-back calls timed per round between CUDA events (CPU: by size, up to 8M elements)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a dry run in seconds: 256K parameters, adam and sgd, 2 rounds (sizes/rules given win), "
+                         "with the GPU run's extra rows")
     ap.add_argument("--out", default=None, help="CSV path (default benchmarks/results/kernels_<device>.csv)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a GPU; run on CPU with --device cpu")
-    sizes = [parse_size(x) for x in (args.sizes or ("1M,8M,64M" if args.device == "cpu" else "64M,256M,1G")).split(",")]
-    rule_list = [r.strip() for r in args.rules.split(",")]
+    default_sizes, default_rules = ("1M,8M,64M" if args.device == "cpu" else "256M,1G"), ",".join(pk.BUILTIN_RULES)
+    if args.quick:
+        default_sizes, default_rules, args.rounds, args.calls = "256K", "adam,sgd", 2, 1
+    sizes = [parse_size(x) for x in (args.sizes or default_sizes).split(",")]
+    rules_arg = args.rules if args.rules != ",".join(pk.BUILTIN_RULES) else default_rules
+    rule_list = [r.strip() for r in rules_arg.split(",")]
     for r in rule_list:
         if r not in HYPER:
             ap.error(f"unknown rule {r!r}; choose from {', '.join(HYPER)}")
@@ -319,27 +443,35 @@ def main(argv=None) -> int:
     if compiled_backend not in pk.available_backends():
         ap.error(f"the {compiled_backend} backend is not built: run `pip install --no-build-isolation -e .` first")
     command = "python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"# {command}\n# torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"cpu isa {pk.compiled.cpu_isa()}, rounds {args.rounds}" + (
-              f", cpu streaming stores from {pk.compiled.load().cpu_stream_threshold_bytes() / 2**20:.0f} MiB per op"
-              if args.device == "cpu" else ""), flush=True)
-    rows = []
-    for n in sizes:
-        for rule in rule_list:
-            t0 = time.time()
-            rows += bench_rule(rule, n, args.device, args.rounds, compiled_backend)
-            print(f"  {rule} {n / 2**20:.0f}M done in {time.time() - t0:.0f} s", flush=True)
-    RESULTS.mkdir(exist_ok=True)
+    header = f"# {command}\n# torch {torch.__version__}, " + (
+        f"{torch.cuda.get_device_name()}, {args.calls} calls per round" if args.device == "cuda" else
+        f"threads {torch.get_num_threads()}, cpu isa {pk.compiled.cpu_isa()}, cpu streaming stores from "
+        f"{pk.compiled.load().cpu_stream_threshold_bytes() / 2**20:.0f} MiB per op") + f", rounds {args.rounds}"
+    print(header, flush=True)
     out = Path(args.out) if args.out else RESULTS / f"kernels_{args.device}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows, writer = [], None
     with open(out, "w", newline="") as f:
-        f.write(f"# {command}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        f.write(header + "\n")
+        for n in sizes:
+            for rule in rule_list:
+                t0 = time.time()
+                repeats = args.calls if args.device == "cuda" or args.quick else max(1, (8 << 20) // n)
+                new_rows = bench_rule(rule, n, args.device, args.rounds, compiled_backend, repeats, gpu_rows=args.quick)
+                if writer is None:
+                    writer = csv.DictWriter(f, fieldnames=list(new_rows[0]))
+                    writer.writeheader()
+                writer.writerows(new_rows)
+                f.flush()  # a run cut short keeps every rule and size it finished
+                rows += new_rows
+                print(f"  {rule} {size_label(n)} done in {time.time() - t0:.0f} s", flush=True)
     if not args.no_plot:
         plot(rows, out.with_suffix(".png"))
     print(f"\nwrote {out}" + ("" if args.no_plot else f" and {out.with_suffix('.png')}"))
     print("\n".join(summarize(rows, compiled_backend)))
+    if args.quick and compiled_backend != "cuda":
+        print("the GPU summary, from these CPU rows (a dry run of its code):")
+        print("\n".join(summarize_gpu(rows, compiled_backend)))
     return 0
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from pipeoptim.flat import bind  # noqa: E402
 from pipeoptim.policies import make_policy  # noqa: E402
-from pipeoptim.predictor import Predictor, SavedWeights  # noqa: E402
+from pipeoptim.predictor import Predictor, SavedWeights, available_mechanisms, default_mechanism  # noqa: E402
 
 RESULTS = HERE / "results"
 
@@ -97,8 +97,10 @@ def mechanisms(args, device) -> list[dict]:
     optimizer.step()  # state exists, predictions are active
     for g in binding.groups:
         g.grad.normal_(0, 1e-3)
+    # "swap" needs torch >= 2.12; the default mechanism ("swap", else "pointer") carries the other rows.
+    default = default_mechanism()
     preds = {(mech, backend): Predictor(binding, saved, mechanism=mech, backend=backend)
-             for mech in ("swap", "pointer", "inplace") for backend in ("auto", "eager")}
+             for mech in available_mechanisms() for backend in ("auto", "eager")}
     def lend(p):
         def run():
             p.invalidate()  # time a real prediction, not the reuse of a cached one
@@ -118,16 +120,14 @@ def mechanisms(args, device) -> list[dict]:
     def fused(p):
         return lambda: p.step_predict(2.0)
 
+    lend_bytes = {"swap": 16, "pointer": 16, "inplace": 32}
     variants = [  # label, function, nominal bytes per parameter (Adam fp32)
         ("optimizer.step (torch fused Adam)", step, 28),
-        ("lend: swap, compiled", lend(preds["swap", "auto"]), 16),
-        ("lend: pointer, compiled", lend(preds["pointer", "auto"]), 16),
-        ("lend: inplace, compiled", lend(preds["inplace", "auto"]), 32),
-        ("lend: swap, eager", lend(preds["swap", "eager"]), 16),
-        ("lend: inplace, eager", lend(preds["inplace", "eager"]), 32),
-        ("step then predict, compiled", step_then_predict(preds["swap", "auto"]), 44),
-        ("fused step_predict, compiled", fused(preds["swap", "auto"]), 32),
-        ("fused step_predict, eager", fused(preds["swap", "eager"]), 32),
+        *[(f"lend: {m}, compiled", lend(preds[m, "auto"]), lend_bytes[m]) for m in available_mechanisms()],
+        *[(f"lend: {m}, eager", lend(preds[m, "eager"]), lend_bytes[m]) for m in dict.fromkeys((default, "inplace"))],
+        (f"step then predict, compiled ({default})", step_then_predict(preds[default, "auto"]), 44),
+        (f"fused step_predict, compiled ({default})", fused(preds[default, "auto"]), 32),
+        (f"fused step_predict, eager ({default})", fused(preds[default, "eager"]), 32),
     ]
     wall = {label: [] for label, _, _ in variants}
     cpu = {label: [] for label, _, _ in variants}
@@ -158,18 +158,19 @@ def ratio(xs, bases) -> float:
 # ---- part 2: policies in a 1F1B steady state ------------------------------------------------------------------------
 
 
-POLICY_VARIANTS = [  # label, policy, options
-    ("none", "none", {}),
-    ("stash", "stash", {}),
-    ("2bw", "2bw", {"update_every": None}),  # m = the micro-batches in flight
-    ("spectrain", "spectrain", {}),
-    ("pipeoptim swap", "pipeoptim", {"mechanism": "swap", "fused": False}),
-    ("pipeoptim swap+fused", "pipeoptim", {"mechanism": "swap", "fused": True}),
-    ("pipeoptim pointer", "pipeoptim", {"mechanism": "pointer", "fused": False}),
-    ("pipeoptim inplace", "pipeoptim", {"mechanism": "inplace", "fused": False}),
-    ("pipeoptim swap eager", "pipeoptim", {"mechanism": "swap", "fused": False, "backend": "eager"}),
-    ("pipeoptim swap+fused eager", "pipeoptim", {"mechanism": "swap", "fused": True, "backend": "eager"}),
-]
+def policy_variants() -> list[tuple[str, str, dict]]:
+    """label, policy, options; the fused and eager rows use the default mechanism ("swap" from torch 2.12)."""
+    default = default_mechanism()
+    return [
+        ("none", "none", {}),
+        ("stash", "stash", {}),
+        ("2bw", "2bw", {"update_every": None}),  # m = the micro-batches in flight
+        ("spectrain", "spectrain", {}),
+        *[(f"pipeoptim {m}", "pipeoptim", {"mechanism": m, "fused": False}) for m in available_mechanisms()],
+        (f"pipeoptim {default}+fused", "pipeoptim", {"mechanism": default, "fused": True}),
+        (f"pipeoptim {default} eager", "pipeoptim", {"mechanism": default, "fused": False, "backend": "eager"}),
+        (f"pipeoptim {default}+fused eager", "pipeoptim", {"mechanism": default, "fused": True, "backend": "eager"}),
+    ]
 
 
 class Timed:
@@ -240,7 +241,7 @@ def policies(args, device) -> list[dict]:
     torch.manual_seed(0)
     stage = gpt_stage(args.d, args.layers, args.heads).to(device)
     n = sum(p.numel() for p in stage.parameters())
-    runs = [Timed(label, name, opts, stage, args, device) for label, name, opts in POLICY_VARIANTS]
+    runs = [Timed(label, name, opts, stage, args, device) for label, name, opts in policy_variants()]
     for r in runs:  # warm-up: a few steps so that every optimizer has state
         r.round(2)
     totals = {r.label: [] for r in runs}
@@ -275,9 +276,9 @@ def rotated(items, k):
     return items[k:] + items[:k]
 
 
-def write(rows, name, command):
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
+def write(rows, name, command, out_dir=RESULTS):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
     with path.open("w", newline="") as f:
         f.write(f"# {command}\n")
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -310,6 +311,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=2, help="policies: timed steps per round")
     ap.add_argument("--stages", type=int, default=4, help="pipeline depth D")
     ap.add_argument("--stage", type=int, default=2, help="this stage's index k (D-k micro-batches in flight)")
+    ap.add_argument("--out-dir", default=str(RESULTS), help="where the CSV files go (default benchmarks/results)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch CPU threads (0: torch's default); 1 is steadier when other jobs share the cores")
     args = ap.parse_args(argv)
@@ -325,13 +327,13 @@ def main(argv=None):
         rows = mechanisms(args, device)
         print(f"\nweight handling on a {rows[0]['params'] / 1e6:.1f}M-parameter GPT stage (Adam, fp32)")
         show(rows)
-        print("->", write(rows, "predictor_mechanisms.csv", command))
+        print("->", write(rows, "predictor_mechanisms.csv", command, Path(args.out_dir)))
     if args.part in ("all", "policies"):
         rows = policies(args, device)
         print(f"\n1F1B micro-batch step on a {rows[0]['params'] / 1e6:.1f}M-parameter GPT stage, stage "
               f"{args.stage} of {args.stages} ({args.stages - args.stage} in flight), Adam")
         show(rows)
-        print("->", write(rows, "predictor_policies.csv", command))
+        print("->", write(rows, "predictor_policies.csv", command, Path(args.out_dir)))
     print("\ncommand:", command.strip())
 
 

@@ -37,9 +37,9 @@ inline PredictCoeffs predict_coeffs(at::ArrayRef<double> c) {
 }
 
 inline AdamStepCoeffs adam_coeffs(at::ArrayRef<double> c) {
-  TORCH_CHECK(c.size() == 10, "pipeoptim::adam_step_predict_: expected 10 coefficients, got ", c.size());
-  return {float(c[0]), float(c[1]), float(c[2]), float(c[3]), float(c[4]),
-          float(c[5]), float(c[6]), float(c[7]), float(c[8]), float(c[9])};
+  TORCH_CHECK(c.size() == 11, "pipeoptim::adam_step_predict_: expected 11 coefficients, got ", c.size());
+  return {float(c[0]), float(c[1]), float(c[2]), float(c[3]), float(c[4]), float(c[5]),
+          float(c[6]), float(c[7]), float(c[8]), float(c[9]), float(c[10])};
 }
 
 inline SgdStepCoeffs sgd_coeffs(at::ArrayRef<double> c) {

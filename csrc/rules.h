@@ -40,12 +40,15 @@ struct PredictCoeffs {
   float scale, cm, cg, cw, dscale, eps, lam;
 };
 
+// 1−β1, 1−β2 and 1−dampening come from the host, formed in double as torch.optim forms them:
+// 1 − float(0.999) is 1.3e-5 relatively off 1 − 0.999, and that error would land in every v.
 struct AdamStepCoeffs {
-  float beta1, beta2, eps, sign, wd_coupled, decay, step_size, bc2_sqrt, pred_scale, pred_lam;
+  float beta2, one_minus_beta1, one_minus_beta2, eps, sign, wd_coupled, decay, step_size, bc2_sqrt, pred_scale,
+      pred_lam;
 };
 
 struct SgdStepCoeffs {
-  float lr, momentum, dampening, wd, sign, pred_scale;
+  float lr, momentum, one_minus_dampening, wd, sign, pred_scale;
 };
 
 // HasM/HasG/HasVC say which optional buffers exist; absent ones are never read.
@@ -75,8 +78,8 @@ template <bool Amsgrad, class T = float>
 PO_HD T adam_step_predict_one(const AdamStepCoeffs& c, T& w, T grad, T& m, T& v, T& vmax) {
   T g = c.sign * grad + c.wd_coupled * w;
   w = w * c.decay;
-  m = lerp(m, g, 1.0f - c.beta1);
-  v = v * c.beta2 + (1.0f - c.beta2) * (g * g);
+  m = lerp(m, g, c.one_minus_beta1);
+  v = v * c.beta2 + c.one_minus_beta2 * (g * g);
   T vhat = v;
   if (Amsgrad) {
     vmax = vmax > v ? vmax : v;
@@ -94,7 +97,7 @@ PO_HD T sgd_step_predict_one(const SgdStepCoeffs& c, T& w, T grad, T& buf) {
   T d = c.sign * grad + c.wd * w;
   T update = d;
   if (HasMomentum) {
-    buf = First ? d : buf * c.momentum + (1.0f - c.dampening) * d;
+    buf = First ? d : buf * c.momentum + c.one_minus_dampening * d;
     update = Nesterov ? d + c.momentum * buf : buf;
   }
   w = w - c.lr * update;

@@ -17,9 +17,10 @@ hooks; so does activation checkpointing, which recomputes with the real weights.
 `Predictor` — one prediction buffer (or one stash, in place) per flat group and a mechanism that makes
 the module's parameters read ŵ during the forward:
   - "swap" (default): predict into a separate buffer, then swap the two storages' data pointers, O(1)
-    for the whole group: 16 B/param for Adam, no restore. Needs torch's UntypedStorage._swap_data_ptr_.
-  - "pointer": predict into a separate buffer and point every parameter's .data at it and back;
-    16 B/param plus a few µs per parameter of Python.
+    for the whole group: 16 B/param for Adam, no restore. Needs torch's UntypedStorage._swap_data_ptr_,
+    which torch 2.12 added.
+  - "pointer" (the default on torch 2.11): predict into a separate buffer and point every parameter's
+    .data at it and back; 16 B/param plus a few µs per parameter of Python.
   - "inplace": stash w, write ŵ into the weights, restore after the forward: 32 B/param with these
     kernels (28 with a fused stash), the baseline.
 The benchmark (benchmarks/bench_predictor.py) compares them.
@@ -36,13 +37,23 @@ import pipeoptim_kernels as pk
 
 from .flat import FlatBinding, FlatGroup
 
-__all__ = ["SavedWeights", "Predictor", "MECHANISMS", "default_mechanism", "Direction"]
+__all__ = ["SavedWeights", "Predictor", "MECHANISMS", "available_mechanisms", "default_mechanism", "Direction"]
 
 MECHANISMS = ("swap", "pointer", "inplace")
+SWAP_SINCE = "2.12"  # the torch release that added UntypedStorage._swap_data_ptr_
+
+
+def _can_swap() -> bool:
+    return hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def available_mechanisms() -> tuple[str, ...]:
+    """The mechanisms this torch can run ("swap" needs torch >= 2.12)."""
+    return MECHANISMS if _can_swap() else tuple(m for m in MECHANISMS if m != "swap")
 
 
 def default_mechanism() -> str:
-    return "swap" if hasattr(torch.UntypedStorage, "_swap_data_ptr_") else "pointer"
+    return "swap" if _can_swap() else "pointer"
 
 
 @dataclass(frozen=True)
@@ -117,9 +128,11 @@ class Predictor:
         mechanism = mechanism or default_mechanism()
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}, got {mechanism!r}")
-        if mechanism == "swap" and not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
-            raise RuntimeError("mechanism 'swap' needs torch.UntypedStorage._swap_data_ptr_ (torch >= 2.3); "
-                               "use mechanism='pointer'")
+        if mechanism == "swap" and not _can_swap():
+            raise RuntimeError(f"mechanism 'swap' needs torch.UntypedStorage._swap_data_ptr_, which torch "
+                               f"{SWAP_SINCE} added; this is torch {torch.__version__}. Use mechanism='pointer' "
+                               "(the default on this torch: same results, a few µs more per parameter) or "
+                               f"torch >= {SWAP_SINCE}")
         if mode not in pk.MODES:
             raise ValueError(f"mode must be one of {', '.join(pk.MODES)}, got {mode!r}")
         if mode == "paper" and direction is None and binding.rule not in pk.PAPER_RULES:

@@ -2,10 +2,12 @@
 
 The extension `pipeoptim_kernels._C` is normally built by `pip install`. When it is missing (a source
 checkout that was never built) it is compiled just in time with ninja from `csrc/`; when that is not
-possible either, the package works on its eager backend and says so once.
+possible either, the package works on its eager backend and says so once. PIPEOPTIM_KERNELS_BUILD names
+another build's --build-lib folder to load it from first (CI's run under its oldest torch builds there).
 
-The ops (`torch.ops.pipeoptim.*`) take the scalars of a plan from `rules.py` as a float list whose
-order matches the structs in `csrc/rules.h`. Fake implementations make them traceable by torch.compile.
+The ops (`torch.ops.pipeoptim.*`) take the scalars of a plan from `rules.py` as a float list (each
+plan's `coeffs()`, in the order of the structs in `csrc/rules.h`). Fake implementations make them
+traceable by torch.compile.
 """
 from __future__ import annotations
 
@@ -47,6 +49,11 @@ def load():
         if _state["tried"]:
             return _state["module"]
         module = None
+        other_build = _build.built_extension_dir()
+        if other_build != _build.ROOT / "pipeoptim_kernels":
+            package = importlib.import_module("pipeoptim_kernels")
+            if str(other_build) not in package.__path__:
+                package.__path__.insert(0, str(other_build))
         try:
             module = importlib.import_module("pipeoptim_kernels._C")
         except ImportError as import_error:
@@ -95,13 +102,11 @@ def _register_fakes() -> None:
 # ---- calls --------------------------------------------------------------------------------------------------
 
 def predict(plan: PredictPlan, w: torch.Tensor, out: torch.Tensor) -> None:
-    coeffs = [plan.scale, plan.cm, plan.cg, plan.cw, plan.dscale, plan.eps, plan.lam]
-    torch.ops.pipeoptim.predict_(w, plan.m, plan.g, plan.v, plan.vc, out, plan.den, coeffs)
+    torch.ops.pipeoptim.predict_(w, plan.m, plan.g, plan.v, plan.vc, out, plan.den, plan.coeffs())
 
 
 def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-    coeffs = [p.beta1, p.beta2, p.eps, p.sign, p.wd_coupled, p.decay, p.step_size, p.bc2_sqrt,
-              p.pred_scale, p.pred_lam]
+    coeffs = p.coeffs()
     if same_buffer(out, grad):
         torch.ops.pipeoptim.adam_step_predict_into_grad_(w, grad, p.tensors["m"], p.tensors["v"], p.tensors.get("vmax"),
                                                          coeffs)
@@ -111,7 +116,7 @@ def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out:
 
 
 def sgd_step_predict(p: SgdStepPlan, w: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> None:
-    coeffs = [p.lr, p.momentum, p.dampening, p.wd, p.sign, p.pred_scale]
+    coeffs = p.coeffs()
     if same_buffer(out, grad):
         torch.ops.pipeoptim.sgd_step_predict_into_grad_(w, grad, p.tensors.get("buf"), p.nesterov, p.first, coeffs)
     else:

@@ -50,8 +50,8 @@ def adam_step_predict(p: AdamStepPlan, w: torch.Tensor, grad: torch.Tensor, out:
         g = g.add(w, alpha=p.wd_coupled)
     if p.decay != 1.0:
         w.mul_(p.decay)
-    m.lerp_(g, 1.0 - p.beta1)
-    v.mul_(p.beta2).addcmul_(g, g, value=1.0 - p.beta2)
+    m.lerp_(g, p.one_minus_beta1)
+    v.mul_(p.beta2).addcmul_(g, g, value=p.one_minus_beta2)
     if vmax is not None:
         torch.maximum(vmax, v, out=vmax)
     denom = ((vmax if vmax is not None else v).sqrt() / p.bc2_sqrt).add_(p.eps)

@@ -70,6 +70,10 @@ class PredictPlan:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: t for k, t in (("m", self.m), ("v", self.v), ("vc", self.vc), ("g", self.g)) if t is not None}
 
+    def coeffs(self) -> list[float]:
+        """The scalars in the order of csrc/rules.h's PredictCoeffs (the compiled and Triton launches)."""
+        return [self.scale, self.cm, self.cg, self.cw, self.dscale, self.eps, self.lam]
+
 
 # ---- custom rules (run by the eager backend) --------------------------------------------------------
 
@@ -298,6 +302,8 @@ class AdamStepPlan:
     lr: float
     beta1: float
     beta2: float
+    one_minus_beta1: float  # formed in double here, as torch.optim does (see csrc/rules.h)
+    one_minus_beta2: float
     eps: float
     sign: float            # -1 for maximize
     wd_coupled: float      # Adam: g += wd·w
@@ -308,6 +314,11 @@ class AdamStepPlan:
     pred_lam: float        # s·lr·wd for AdamW exact, else 0
     amsgrad: bool
     tensors: dict = field(default_factory=dict)
+
+    def coeffs(self) -> list[float]:
+        """The scalars in the order of csrc/rules.h's AdamStepCoeffs."""
+        return [self.beta2, self.one_minus_beta1, self.one_minus_beta2, self.eps, self.sign,
+                self.wd_coupled, self.decay, self.step_size, self.bc2_sqrt, self.pred_scale, self.pred_lam]
 
 
 @dataclass
@@ -323,6 +334,10 @@ class SgdStepPlan:
     pred_scale: float      # s·lr
     tensors: dict = field(default_factory=dict)
 
+    def coeffs(self) -> list[float]:
+        """The scalars in the order of csrc/rules.h's SgdStepCoeffs (1 − dampening formed in double)."""
+        return [self.lr, self.momentum, 1.0 - self.dampening, self.wd, self.sign, self.pred_scale]
+
 
 def adam_step_plan(rule: str, state: Mapping, group: Mapping, step: int, s: float) -> AdamStepPlan:
     lr, wd = scalar(group["lr"]), scalar(group.get("weight_decay", 0.0))
@@ -335,7 +350,7 @@ def adam_step_plan(rule: str, state: Mapping, group: Mapping, step: int, s: floa
         tensors["vmax"] = _need(state, "max_exp_avg_sq", rule, "amsgrad=True")
     bc1 = 1.0 - b1 ** t
     return AdamStepPlan(
-        lr=lr, beta1=b1, beta2=b2, eps=scalar(group["eps"]),
+        lr=lr, beta1=b1, beta2=b2, one_minus_beta1=1.0 - b1, one_minus_beta2=1.0 - b2, eps=scalar(group["eps"]),
         sign=-1.0 if group.get("maximize", False) else 1.0,
         wd_coupled=0.0 if decoupled else wd, decay=1.0 - lr * wd if decoupled else 1.0,
         step_size=lr / bc1, bc2_sqrt=math.sqrt(1.0 - b2 ** t),

@@ -175,6 +175,22 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, term: torch.
                              f"got {out[i].item()!r}, reference {ref[i].item()!r}, tolerance {tol[i].item():.3g}")
 
 
+def assert_second_moment_close(got, want, v_before, grad, w, hp, rule, msg):
+    """v = β2·v + (1−β2)·g² is a sum of positive terms: a correct fp32 step is a few ulps off relatively to
+    the magnitude of its terms, g's included (coupled weight decay can make g = grad + wd·w cancel). An
+    absolute bound would hide a relative error in v ≈ 1e-3·g² (see test_kernels_step_predict's
+    test_adam_second_moment_forms_one_minus_beta_in_double)."""
+    beta2 = hp.get("betas", (0.9, 0.999))[1]
+    coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
+    g_magnitude = grad.double().abs() + coupled * w.double().abs()
+    scale = beta2 * v_before.double() + (1.0 - beta2) * g_magnitude ** 2
+    err = (got.double().cpu() - want.double().cpu()).abs()
+    scale = scale.cpu()
+    bad = err > 8 * torch.finfo(torch.float32).eps * scale
+    assert not bad.any(), (f"{msg}: {int(bad.sum())} elements off, worst relative "
+                           f"{(err / scale).max().item():.2e} of the terms' magnitude")
+
+
 # ---- checks shared by the CPU tests and tests/gpu -------------------------------------------------------
 
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -57,7 +57,7 @@ def test_opcheck_compiled_ops(gen):
     torch.library.opcheck(torch.ops.pipeoptim.predict_.default,
                           (w, plan.m, None, plan.v, None, torch.empty(N), plan.den, coeffs))
     g = torch.randn(N, generator=gen)
-    adam_coeffs = [0.9, 0.999, 1e-8, 1.0, 0.0, 1.0, 1e-2, 0.03, 2e-2, 0.0]
+    adam_coeffs = [0.999, 0.1, 1e-3, 1e-8, 1.0, 0.0, 1.0, 1e-2, 0.03, 2e-2, 0.0]
     torch.library.opcheck(torch.ops.pipeoptim.adam_step_predict_.default,
                           (w.clone(), g, torch.zeros(N), torch.zeros(N), None, torch.empty(N), adam_coeffs))
     torch.library.opcheck(torch.ops.pipeoptim.sgd_step_predict_.default,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pipeoptim_kernels as pk
-from kernel_reference import CPU_BACKEND_IDS, assert_close_to_reference, reference_predict
+from kernel_reference import CPU_BACKEND_IDS, assert_close_to_reference, assert_second_moment_close, reference_predict
 
 
 STEP_CONFIGS = [
@@ -15,6 +15,7 @@ STEP_CONFIGS = [
     ("adam", "Adam", dict(lr=1e-2)),
     ("adam", "Adam", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     ("adam", "Adam", dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-3, maximize=True)),
+    ("adam", "Adam", dict(lr=1e-3, betas=(0.95, 0.9999))),
     ("adamw", "AdamW", dict(lr=1e-2, weight_decay=0.05)),
     ("adamw", "AdamW", dict(lr=1e-2, weight_decay=0.05, amsgrad=True, maximize=True)),
 ]
@@ -67,8 +68,12 @@ def test_step_matches_torch_optim(cfg, backend, foreach, gen):
             msg = f"{backend} {rule} {hp} step {step + 1} seed={gen.initial_seed()}"
             torch.testing.assert_close(w_try, p.detach(), rtol=4e-6, atol=ATOL, msg=lambda m: f"{msg}: w {m}")
             for name, t in st_try.items():
-                torch.testing.assert_close(t, opt.state[p][name], rtol=4e-6, atol=ATOL,
-                                           msg=lambda m: f"{msg}: {name} {m}")
+                if name in ("exp_avg_sq", "max_exp_avg_sq"):
+                    assert_second_moment_close(t, opt.state[p][name], state["exp_avg_sq"], g, w, hp, rule,
+                                               msg=f"{msg}: {name}")
+                else:
+                    torch.testing.assert_close(t, opt.state[p][name], rtol=4e-6, atol=ATOL,
+                                               msg=lambda m: f"{msg}: {name} {m}")
             ref_state = {**st_try, "grad": g}
             ref, term = reference_predict(rule, w_try, ref_state, opt.param_groups[0], step + 1, s)
             assert_close_to_reference(out, ref, term, msg=f"{msg} prediction {dtype}")
@@ -131,3 +136,26 @@ def test_out_overlapping_part_of_the_gradient_is_refused(gen):
         pk.step_predict("adam", w, grad, state, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                                                      amsgrad=False, maximize=False), step=1, s=2, out=out)
     assert torch.equal(base, before)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
+@pytest.mark.parametrize("beta2", [0.999, 0.9999])
+def test_adam_second_moment_forms_one_minus_beta_in_double(beta2, backend, gen):
+    """v = β2·v + (1−β2)·g² with 1−β2 formed in double, as torch.optim forms it.
+
+    1 − float32(0.999) is 1.3e-5 (at 0.9999: 1.7e-4) relatively off 1 − 0.999, an error the absolute
+    bound of the test above hides (v ≈ 1e-3·g²). Every term of v is positive, so a correct fp32 step is
+    within a few ulps of the float64 value relatively."""
+    n = 4097
+    group = dict(lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, amsgrad=True, maximize=False)
+    w, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    state = {"exp_avg": torch.randn(n, generator=gen) * 1e-2, "exp_avg_sq": torch.rand(n, generator=gen) * 1e-4,
+             "max_exp_avg_sq": torch.rand(n, generator=gen) * 1e-4}
+    want = state["exp_avg_sq"].double() * beta2 + (1.0 - beta2) * g.double() ** 2
+    want_max = torch.maximum(state["max_exp_avg_sq"].double(), want)
+    out = torch.full((n,), float("nan"))
+    pk.step_predict("adam", w, g, state, group, step=4, s=2, out=out, backend=backend)
+    for name, ref in (("exp_avg_sq", want), ("max_exp_avg_sq", want_max)):
+        rel = ((state[name].double() - ref).abs() / ref).max().item()
+        assert rel <= 4 * torch.finfo(torch.float32).eps, \
+            f"{backend} β2={beta2}: {name} is {rel:.2e} relatively off (seed={gen.initial_seed()})"

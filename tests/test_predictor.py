@@ -22,7 +22,12 @@ from kernel_reference import reference_delta
 
 import pipeoptim_kernels as pk
 from pipeoptim.flat import bind
-from pipeoptim.predictor import MECHANISMS, Predictor, SavedWeights
+from pipeoptim.predictor import MECHANISMS, Predictor, SavedWeights, available_mechanisms, default_mechanism
+
+NO_SWAP = pytest.mark.skipif("swap" not in available_mechanisms(),
+                             reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch >= 2.12): "
+                                    "its default mechanism is 'pointer', tested here")
+MECHANISM_PARAMS = [pytest.param(m, marks=NO_SWAP) if m == "swap" else m for m in MECHANISMS]
 
 # ---- small real models, each with a hand-written backward -------------------------------------------
 
@@ -276,7 +281,7 @@ def test_lr_scheduler_change_is_honoured():
 # ---- the forward reads ŵ -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", MECHANISM_PARAMS)
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("opt_name", ["nesterov", "adamw", "nadam"])
 def test_forward_output_equals_copy_loaded_with_prediction(mechanism, model_name, opt_name):
@@ -292,7 +297,7 @@ def test_forward_output_equals_copy_loaded_with_prediction(mechanism, model_name
         assert torch.equal(p.detach().double(), real_before[n])
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", MECHANISM_PARAMS)
 def test_no_prediction_before_the_first_step_or_with_s_zero(mechanism):
     model, optimizer, binding, saved, predictor, _ = setup("mlp", "adam", steps=0, mechanism=mechanism)
     for buf in predictor.buffers:
@@ -342,7 +347,7 @@ def _three_in_flight(model_name, opt_name, mechanism):
         binding.zero_grad()
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", MECHANISM_PARAMS)
 @pytest.mark.parametrize("model_name", list(MODELS))
 def test_three_microbatches_in_flight_by_mechanism(mechanism, model_name):
     _three_in_flight(model_name, "adamw", mechanism)
@@ -351,7 +356,8 @@ def test_three_microbatches_in_flight_by_mechanism(mechanism, model_name):
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_three_microbatches_in_flight_by_optimizer(opt_name, model_name):
-    mechanism = MECHANISMS[sorted(OPTIMIZERS).index(opt_name) % len(MECHANISMS)]  # each meets every model
+    mechanisms = available_mechanisms()
+    mechanism = mechanisms[sorted(OPTIMIZERS).index(opt_name) % len(mechanisms)]  # each meets every model
     _three_in_flight(model_name, opt_name, mechanism)
 
 
@@ -381,7 +387,7 @@ class ZooModel(nn.Module):
         return self.norm(self.block(h))
 
 
-@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("mechanism", MECHANISM_PARAMS)
 def test_every_saved_weight_of_common_layers_is_redirected(mechanism):
     """With micro-batches in flight the optimizer steps the parameters in place; autograd would raise at
     backward for any saved alias of a parameter that the hooks had not redirected."""
@@ -425,7 +431,7 @@ def test_later_prediction_does_not_leak_into_earlier_backward():
 # ---- cost: no copy of the weights per predict -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mechanism", ["swap", "pointer", "inplace"])
+@pytest.mark.parametrize("mechanism", MECHANISM_PARAMS)
 def test_no_weight_sized_allocation_per_predict(mechanism):
     model, optimizer, binding, saved, predictor, _ = setup("mlp", "adam", mechanism=mechanism)
     weight_bytes = sum(g.w.numel() * g.w.element_size() for g in binding.groups)
@@ -448,6 +454,7 @@ def test_alloc_counter_sees_the_eager_backends_temporaries():
     assert max(counter.sizes) >= weight_bytes
 
 
+@NO_SWAP
 def test_swap_points_parameters_at_the_prediction_without_copying():
     model, optimizer, binding, saved, predictor, _ = setup("mlp", "adam", mechanism="swap")
     g = binding.groups[0]
@@ -566,6 +573,21 @@ def test_lend_refuses_nesting():
         with pytest.raises(RuntimeError, match="nest"):
             with predictor.lend(2.0):
                 pass
+
+
+def test_without_storage_swap_the_default_is_pointer_and_swap_says_which_torch(monkeypatch):
+    """torch 2.11 (the GPU machine's) has no UntypedStorage._swap_data_ptr_: predictors there lend through
+    parameter pointers, and asking for 'swap' names the torch release that has it."""
+    import pipeoptim.predictor
+
+    monkeypatch.setattr(pipeoptim.predictor, "_can_swap", lambda: False)  # a C type's method cannot be deleted
+    assert default_mechanism() == "pointer" and available_mechanisms() == ("pointer", "inplace")
+    model, optimizer, binding, saved, predictor, last = setup("mlp", "adam")
+    assert predictor.mechanism == "pointer"
+    with predictor.lend(1.0):
+        model(MLP.example())
+    with pytest.raises(RuntimeError, match=r"torch 2\.12 added; this is torch .*mechanism='pointer'"):
+        Predictor(binding, saved, mechanism="swap")
 
 
 def test_unknown_mechanism_is_refused():

@@ -1,6 +1,6 @@
-// CUDA implementations of the pipeoptim ops: one pass over the flat buffers, fp32 maths, 16-byte
-// vector loads and stores when every buffer is 16-byte aligned (a scalar loop otherwise and for the
-// tail), fp32/bf16/fp16 output.
+// CUDA implementations of the pipeoptim ops: one pass over the flat buffers, fp32 maths, fp32/bf16/fp16
+// output, 4-element vector loads and stores (16 bytes of fp32, 8 of bf16/fp16) over the aligned body,
+// scalar over a head that aligns it (buffers misaligned alike) and the tail.
 // Only c10/cuda headers: ATen/cuda/CUDAContext.h pulls in cuSPARSE and cuBLAS headers that a bare
 // toolkit may lack.
 #include <c10/cuda/CUDAException.h>
@@ -137,10 +137,20 @@ __global__ void sgd_kernel(int64_t n, float* w, const float* g, float* buf, T* o
 
 // ---- launch helpers -----------------------------------------------------------------------------------------
 
-bool aligned16(std::initializer_list<const void*> ptrs) {
-  for (const void* p : ptrs)
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
+// Elements to run on the scalar path first so that every buffer is aligned for 4-element vectors after
+// them (16 bytes for fp32, 8 for a bf16/fp16 out), or -1 when the buffers are misaligned differently
+// (then everything runs scalar). Views into flat buffers at one offset share their misalignment.
+int64_t vector_head(std::initializer_list<std::pair<const void*, int>> buffers) {
+  int64_t phase = -1;
+  for (const auto& [p, size] : buffers) {
+    if (p == nullptr) continue;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a % size != 0) return -1;
+    const int64_t k = int64_t(a / size) % 4;
+    if (phase < 0) phase = k;
+    else if (phase != k) return -1;
+  }
+  return phase <= 0 ? 0 : 4 - phase;
 }
 
 int blocks_for(int64_t work) {
@@ -167,13 +177,17 @@ void with_out_type(const at::Tensor& out, F&& f) {
   }
 }
 
-// Runs the vector kernel over the multiple-of-4 prefix and the scalar one over the tail.
+// Runs the scalar kernel over the first `head` elements, the vector kernel over the multiple of 4 after
+// them, and the scalar kernel over the rest; head < 0: the scalar kernel over everything.
 template <class Launch>
-void launch_split(int64_t n, bool vec_ok, Launch&& launch) {
+void launch_split(int64_t n, int64_t head, Launch&& launch) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t head = vec_ok ? (n / 4) * 4 : 0;
-  if (head > 0) launch(std::integral_constant<bool, true>{}, int64_t(0), head, blocks_for(head / 4), stream);
-  if (n > head) launch(std::integral_constant<bool, false>{}, head, n - head, blocks_for(n - head), stream);
+  const int64_t first = head < 0 ? n : std::min(head, n);
+  const int64_t body = ((n - first) / 4) * 4;
+  const auto scalar = std::integral_constant<bool, false>{};
+  if (first > 0) launch(scalar, int64_t(0), first, blocks_for(first), stream);
+  if (body > 0) launch(std::integral_constant<bool, true>{}, first, body, blocks_for(body / 4), stream);
+  if (n > first + body) launch(scalar, first + body, n - first - body, blocks_for(n - first - body), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -185,15 +199,15 @@ void predict_cuda(const at::Tensor& w, const std::optional<at::Tensor>& m, const
                   int64_t den, at::ArrayRef<double> coeffs) {
   const PredictArgs a = predict_args(w, m, g, v, vc, out, den, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  const bool vec_ok = aligned16({a.w, a.m, a.g, a.v, a.vc, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
     T* po = static_cast<T*>(a.out);
+    const int64_t head = vector_head({{a.w, 4}, {a.m, 4}, {a.g, 4}, {a.v, 4}, {a.vc, 4}, {po, int(sizeof(T))}});
     with_bool(a.m != nullptr, [&](auto hm) {
       with_bool(a.g != nullptr, [&](auto hg) {
         with_bool(a.vc != nullptr && a.den == DEN_SQRT, [&](auto hvc) {
           auto run = [&](auto dk) {
-            launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+            launch_split(a.n, head, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
               predict_kernel<hm, hg, decltype(dk)::value, hvc, T, vec><<<blocks, kThreads, 0, s>>>(
                   n, a.w + o, offset(a.m, o), offset(a.g, o), offset(a.v, o), offset(a.vc, o), po + o, a.c);
             });
@@ -211,12 +225,12 @@ void adam_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const a
                             const std::optional<at::Tensor>& vmax, const at::Tensor& out, at::ArrayRef<double> coeffs) {
   const AdamArgs a = adam_args(w, grad, m, v, vmax, out, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  const bool vec_ok = aligned16({a.w, a.g, a.m, a.v, a.vmax, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
     T* po = static_cast<T*>(a.out);
+    const int64_t head = vector_head({{a.w, 4}, {a.g, 4}, {a.m, 4}, {a.v, 4}, {a.vmax, 4}, {po, int(sizeof(T))}});
     with_bool(a.vmax != nullptr, [&](auto ams) {
-      launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+      launch_split(a.n, head, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
         adam_kernel<ams, T, vec><<<blocks, kThreads, 0, s>>>(n, a.w + o, a.g + o, a.m + o, a.v + o,
                                                               offset(a.vmax, o), po + o, a.c);
       });
@@ -228,14 +242,14 @@ void sgd_step_predict_cuda(const at::Tensor& w, const at::Tensor& grad, const st
                            const at::Tensor& out, bool nesterov, bool first, at::ArrayRef<double> coeffs) {
   const SgdArgs a = sgd_args(w, grad, buf, out, coeffs);
   const c10::cuda::CUDAGuard guard(w.device());
-  const bool vec_ok = aligned16({a.w, a.g, a.buf, a.out});
   with_out_type(out, [&](auto tag) {
     using T = decltype(tag);
     T* po = static_cast<T*>(a.out);
+    const int64_t head = vector_head({{a.w, 4}, {a.g, 4}, {a.buf, 4}, {po, int(sizeof(T))}});
     with_bool(a.buf != nullptr, [&](auto hm) {
       with_bool(nesterov, [&](auto nes) {
         with_bool(first, [&](auto fst) {
-          launch_split(a.n, vec_ok, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
+          launch_split(a.n, head, [&](auto vec, int64_t o, int64_t n, int blocks, cudaStream_t s) {
             sgd_kernel<hm, nes, fst, T, vec><<<blocks, kThreads, 0, s>>>(n, a.w + o, a.g + o, offset(a.buf, o),
                                                                          po + o, a.c);
           });
