@@ -84,10 +84,13 @@ def _die_with(parent: int) -> None:
         os._exit(faults.ABORT_EXIT)
 
 
-def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent: int, fn, args) -> None:
+def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent: int, watchdog_s, fn,
+           args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
                       TORCHELASTIC_RESTART_COUNT="0", PIPEOPTIM_LAUNCHED="1")
+    if watchdog_s is not None:
+        os.environ["PIPEOPTIM_WATCHDOG_S"] = str(watchdog_s)
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # the platform's default start method again (spawn set this process's): a rank behaves like one started
@@ -121,26 +124,16 @@ class _Job:
         self.nprocs, self.workdir = nprocs, workdir
         self.store = host_store(port, nprocs)
         ctx = mp.get_context("spawn")
-        env = {"PIPEOPTIM_WATCHDOG_S": str(watchdog_s)} if watchdog_s is not None else {}
         self.procs = [ctx.Process(target=_child, name=f"pipeoptim-r{r}", daemon=False,
-                                  args=(r, nprocs, self.store.port, workdir, threads, os.getpid(), fn, args))
+                                  args=(r, nprocs, self.store.port, workdir, threads, os.getpid(), watchdog_s, fn,
+                                        args))
                       for r in range(nprocs)]
         self.signalled: set[int] = set()  # ranks this process killed (their signal is not news)
         self.cause: str | None = None     # a death the workers cannot report themselves
-        self._env = env
 
     def start(self) -> None:
-        saved = {k: os.environ.get(k) for k in self._env}
-        os.environ.update(self._env)  # spawn copies this process's environment
-        try:
-            for p in self.procs:
-                p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        for p in self.procs:
+            p.start()
 
     def publish(self, message: str) -> None:
         try:
