@@ -4,10 +4,19 @@ The default is the project's showcase: 4 pipeline stages as 4 local processes on
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
 ``--emulate`` runs the same schedule in one process; ``--device cuda`` uses NCCL, one GPU per stage.
+
+A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
+committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
+or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
+drops such updates instead); a rank that dies or freezes ends the job with a message naming it
+(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so).
+Exit status: 0 done, 1 failed, 2 invalid configuration, 3 stopped on a non-finite value, 128+N stopped by
+signal N.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -22,6 +31,10 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
     "medium": (128, 4, 6, 128),
 }
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop")
+NONFINITE_EXIT = 3
+# what a resumed run must share with the checkpoint it resumes (the rest may change: stages, schedule with the
+# same optimizer steps per window, micro-batch size, --steps)
+RESUME_MUST_MATCH = ("model", "optimizer", "precision")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,11 +53,53 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
     p.add_argument("--run-dir", default="runs/train", help="checkpoint, loss plot and history go here")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --run-dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest intact checkpoint in --run-dir/checkpoint")
+    p.add_argument("--save-every", type=_non_negative_int, default=50,
+                   help="write a checkpoint every N windows, and at the end (0: only at the end; default 50)")
+    p.add_argument("--keep-checkpoints", type=_positive_int, default=2,
+                   help="keep the newest K checkpoints (default 2: one to fall back on)")
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a NaN/inf loss or gradient: stop with a checkpoint of the last finite state (default), "
+                        "or skip that update and go on")
+    p.add_argument("--watchdog-s", type=_positive_float, default=None,
+                   help="seconds a rank may make no progress before the job ends naming it (default: "
+                        "max(300, 20 x the slowest step))")
+    p.add_argument("--port", type=int, default=None,
+                   help="rendezvous port (default: a free one, so several runs can share a machine)")
     p.add_argument("--emulate", action="store_true", help="run every stage in this process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _updates_per_window(schedule: str, stages: int, microbatches: int) -> int:
+    """Optimizer steps stage 0 takes per window (what the LR scheduler counts)."""
+    from .runtime.config import make_schedule
+    from .schedules.actions import Step
+    sched = make_schedule(schedule, stages, microbatches)
+    return sum(1 for a in sched.actions[0] if isinstance(a, Step) and a.stage == 0 and a.replica == 0)
 
 
 def _config(args) -> dict:
@@ -89,7 +144,7 @@ def train_worker(cfg: dict) -> dict:
     from .data import stdlib_corpus
     from .models import GPTConfig, gpt_layers
     from .models.gpt import lm_loss
-    from .train import Pipeline
+    from .train import NonFiniteError, Pipeline
 
     torch.manual_seed(cfg["seed"])
     mcfg = GPTConfig(seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
@@ -103,7 +158,8 @@ def train_worker(cfg: dict) -> dict:
                     lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
-                    emulate=cfg["emulate"], device=cfg["device"])
+                    emulate=cfg["emulate"], device=cfg["device"], on_nonfinite=cfg["on_nonfinite"],
+                    watchdog_s=cfg["watchdog_s"])
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = stdlib_corpus(max_bytes=4 << 20)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -111,11 +167,16 @@ def train_worker(cfg: dict) -> dict:
     run_dir = cfg["run_dir"]
     ckpt = os.path.join(run_dir, "checkpoint")
     start = 0
-    if cfg["resume"]:
-        extra = pipe.load(ckpt)
+    if cfg.get("resume_from"):
+        extra = pipe.load(cfg["resume_from"])
         gen.set_state(extra["gen"])
         history = extra["history"]
         start = pipe.step_count
+
+    def save() -> str:
+        return pipe.save(ckpt, extra={"gen": gen.get_state(), "history": history, "config": resume_config(cfg)},
+                         keep=cfg["keep_checkpoints"])
+
     B = cfg["microbatches"] * cfg["microbatch_size"]
     tokens_per_step = B * cfg["seq_len"]
     bar = None
@@ -124,26 +185,107 @@ def train_worker(cfg: dict) -> dict:
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
     t_run = time.perf_counter()
+    stopped = None
     for step in range(start, total_steps):
         batch = corpus.batch("train", B, cfg["seq_len"], gen)
         t0 = time.perf_counter()
-        loss = pipe.train_step(batch)
+        try:
+            loss = pipe.train_step(batch)
+        except NonFiniteError as e:  # raised on every rank at this same step
+            stopped = str(e)
+            loss = pipe.last_stats["loss"]
         dt = time.perf_counter() - t0
         st = pipe.last_stats
         history.append({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / dt,
-                        "bubble": st["bubble"], "grad_norm": st["grad_norm"]})
+                        "bubble": st["bubble"], "grad_norm": st["grad_norm"], "skipped": st.get("nonfinite", 0)})
+        if stopped:
+            break
         if bar is not None:
+            if not math.isfinite(loss) or st.get("nonfinite"):
+                bar.write(f"step {step + 1}: NaN or inf (loss {loss:.4g}); {st.get('nonfinite', 0)} update(s) "
+                          "skipped (--on-nonfinite skip)")
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
                             bubble=f"{st['bubble'] * 100:.0f}%")
             bar.update(1)
+        if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < total_steps:
+            save()
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_run
-    val = pipe.eval_step(corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234)))
-    pipe.save(ckpt, extra={"gen": gen.get_state(), "history": history})
+    val = float("nan")
+    if not stopped:
+        val = pipe.eval_step(corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234)))
+    directory = save()
     if rank == 0:
         _write_outputs(run_dir, history, cfg)
-    return {"history": history, "val_loss": val, "elapsed": elapsed, "rank": rank}
+    return {"history": history, "val_loss": val, "elapsed": elapsed, "rank": rank, "stopped": stopped,
+            "checkpoint": directory}
+
+
+def resume_config(cfg: dict) -> dict:
+    """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
+    out = {k: cfg[k] for k in RESUME_MUST_MATCH + ("schedule", "stages", "microbatches")}
+    out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
+    return out
+
+
+def _resume_point(root: str, cfg: dict) -> tuple[str, int]:
+    """The checkpoint ``--resume`` continues from (the newest intact one; each one passed over is printed
+    as a warning), after checking that this run can continue it; ConfigError says why not."""
+    import torch
+
+    from .runtime import checkpoint_files as files
+    from .runtime.plan import ConfigError
+    if not files.list_steps(root) and os.path.exists(os.path.join(root, "meta.pt")):
+        print(f"pipeoptim train: warning: {root} was written by an older pipeoptim (no manifest): its files "
+              "cannot be checked", file=sys.stderr)
+        return root, int(torch.load(os.path.join(root, "meta.pt"), weights_only=False)["step_count"])
+    directory, manifest, skipped = files.newest_and_skipped(root, warn=False)
+    saved = torch.load(os.path.join(directory, "meta.pt"), weights_only=False)["extra"].get("config")
+    if saved:
+        mine = resume_config(cfg)
+        for key in RESUME_MUST_MATCH:
+            if saved[key] != mine[key]:
+                raise ConfigError(f"{directory} was written with --{key} {saved[key]} and this run asks for "
+                                  f"--{key} {mine[key]}: its weights and optimizer state do not fit. Resume with "
+                                  f"--{key} {saved[key]}, or start a new run in another --run-dir")
+        if saved["updates_per_window"] != mine["updates_per_window"]:
+            raise ConfigError(f"{directory} was written by schedule {saved['schedule']} with {saved['microbatches']} "
+                              f"micro-batches ({saved['updates_per_window']} optimizer steps per window); "
+                              f"{mine['schedule']} with {mine['microbatches']} takes {mine['updates_per_window']}, so "
+                              "the learning-rate schedule would not carry over. Resume with a schedule and "
+                              "micro-batch count that step as often (stage counts may differ)")
+    for d, problem in skipped:  # set aside: never counted again (pruning would keep them, not intact ones)
+        print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
+              file=sys.stderr)
+    return directory, int(manifest["step"])
+
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: str):
+    """Hold ``run_dir`` for this run: a second run given the same directory fails at once, naming this one
+    (the lock goes with this process, however it ends)."""
+    import fcntl
+
+    from .runtime.plan import ConfigError
+    os.makedirs(run_dir, exist_ok=True)
+    f = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process"
+        f.close()
+        raise ConfigError(f"{run_dir} is in use by another pipeoptim train ({holder}); give this run its own "
+                          "--run-dir") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        yield
+    finally:
+        f.close()
 
 
 def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
@@ -167,25 +309,54 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     plt.close(fig)
 
 
+def _newest_checkpoint(root: str) -> str:
+    """A line pointing at what a later --resume would continue from, or '' when there is nothing."""
+    from .runtime import checkpoint_files as files
+    try:
+        directory, manifest = files.newest(root, warn=False)
+    except (FileNotFoundError, files.CheckpointError):
+        return ""
+    return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
+
+
 def run(args) -> int:
-    from .runtime.launcher import launch
-    from .runtime.plan import ConfigError
+    from .runtime.checkpoint_files import CheckpointError
+    from .runtime.launcher import JobInterrupted, launch
+    from .runtime.plan import ConfigError, PipelineError
+    ckpt_root = os.path.join(args.run_dir, "checkpoint")
     try:
         cfg = _config(args)
+        with _run_dir_lock(args.run_dir):
+            cfg["resume_from"] = None
+            if args.resume:
+                try:
+                    cfg["resume_from"], at = _resume_point(ckpt_root, cfg)
+                except (FileNotFoundError, CheckpointError) as e:
+                    raise ConfigError(f"--resume: {e}") from None
+                print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
+            t0 = time.perf_counter()
+            try:
+                if args.emulate:
+                    import torch
+                    torch.set_num_threads(max(1, torch.get_num_threads()))
+                    result = train_worker(cfg)
+                else:
+                    result = launch(train_worker, args.stages, cfg, timeout_s=None, port=args.port,
+                                    watchdog_s=args.watchdog_s)[0]
+            except (JobInterrupted, KeyboardInterrupt) as e:
+                signum = getattr(e, "signum", 2)
+                print(f"pipeoptim train: {e or 'interrupted'}", file=sys.stderr)
+                if line := _newest_checkpoint(ckpt_root):
+                    print(f"pipeoptim train: {line}", file=sys.stderr)
+                return 128 + signum
+            except PipelineError as e:
+                print(f"pipeoptim train: failed: {e}", file=sys.stderr)
+                if line := _newest_checkpoint(ckpt_root):
+                    print(f"pipeoptim train: {line}", file=sys.stderr)
+                return 1
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
         return 2
-    if args.resume and not os.path.exists(os.path.join(args.run_dir, "checkpoint", "meta.pt")):
-        print(f"pipeoptim train: --resume but no checkpoint in {args.run_dir}/checkpoint; run without --resume "
-              "first", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    if args.emulate:
-        import torch
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        result = train_worker(cfg)
-    else:
-        result = launch(train_worker, args.stages, cfg, timeout_s=None)[0]
     hist = result["history"]
     if not hist:
         print(f"nothing to do: the checkpoint is already at step {args.steps}", file=sys.stderr)
@@ -195,8 +366,14 @@ def run(args) -> int:
         print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {first:.4f} -> {last:.4f}; "
               f"{sum(h['tokens_per_s'] for h in tail) / len(tail):,.0f} tokens/s; "
               f"bubble {100 * sum(h['bubble'] for h in tail) / len(tail):.0f}%; "
-              f"validation loss {result['val_loss']:.4f}; wall {time.perf_counter() - t0:.0f} s")
+              + (f"validation loss {result['val_loss']:.4f}; " if math.isfinite(result["val_loss"]) else "")
+              + f"wall {time.perf_counter() - t0:.0f} s")
         print(f"run directory: {os.path.abspath(args.run_dir)} (checkpoint/, loss.png, history.json)")
+    if result.get("stopped"):
+        print(f"pipeoptim train: stopped at {result['stopped']}", file=sys.stderr)
+        print(f"pipeoptim train: checkpoint of the last finite state: {result['checkpoint']}; after a fix, "
+              "continue with --resume", file=sys.stderr)
+        return NONFINITE_EXIT
     print(f"final loss: {hist[-1]['loss'] if hist else float('nan'):.4f}")
     return 0
 

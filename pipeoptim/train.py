@@ -17,11 +17,20 @@ name; call ``train_step(batch)`` on every rank.
 - ``tied=[("0.tok.weight", "7.lm.weight")]``: parameters held on several stages that are one weight (tied
   embeddings). Copies start from the first name's value; before each step every copy's gradient becomes the
   sum over the copies (synchronous schedules only; see ``runtime.tied``); the global norm counts it once.
-- ``save(dir)`` / ``load(dir)``: model, optimizer, LR scheduler and policy state per global parameter name.
+- ``save(dir)`` / ``load(dir)``: model, optimizer, LR scheduler and policy state per global parameter name,
+  written atomically as ``dir/step-<n>/`` with a manifest of hashes; ``load`` takes the newest intact one
+  (``runtime.checkpoint``, ``runtime.checkpoint_files``).
+- A NaN or inf loss or gradient is found on every rank at the same ``train_step``; no update with a non-finite
+  gradient is ever applied. ``on_nonfinite="stop"`` (default) then raises ``NonFiniteError`` on every rank
+  (the weights hold the last finite state: save them); ``"skip"`` drops those updates and goes on.
+- ``watchdog_s``: how long a rank may make no progress inside the pipeline before the job ends, naming the
+  rank that holds it up (``runtime.watchdog``; default ``max(300 s, 20 x the slowest step)``).
 """
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -37,7 +46,14 @@ from .runtime.tied import check_ties, plan_ties
 from .runtime.worker import DeviceWorker, StageRuntime
 from .schedules.actions import Chunk
 
-__all__ = ["Pipeline", "StageModule"]
+__all__ = ["Pipeline", "StageModule", "NonFiniteError", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(ArithmeticError):
+    """Raised by ``train_step`` on every rank, at the same step, when the loss or a gradient was NaN or inf
+    under ``on_nonfinite="stop"``; the updates with non-finite gradients were not applied."""
 
 
 class StageModule(nn.Module):
@@ -62,17 +78,28 @@ class Pipeline:
                  lr_scheduler: Callable | None = None, schedule_options: dict | None = None,
                  policy_options: dict | None = None, clip_norm: float | None = None, precision: str = "fp32",
                  checkpoint_stages: Sequence[int] | bool = (), emulate: bool = False, device: str = "cpu",
-                 dp: int = 1, tied: Sequence[Sequence[str]] = ()):
+                 dp: int = 1, tied: Sequence[Sequence[str]] = (), on_nonfinite: str = "stop",
+                 watchdog_s: float | None = None):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage), not both and not neither")
         if precision not in ("fp32", "bf16"):
             raise ConfigError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
+        if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
+            raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
         self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
+        self.on_nonfinite, self.nonfinite_steps = on_nonfinite, 0
+        self.loaded_from: str | None = None
         ctx = None
+        self._watch = None
         if not emulate:
             from .runtime.dist_env import init_from_env
             ctx = init_from_env(device)
+            self._watch = ctx.watch
+            if self._watch is not None and watchdog_s is not None:
+                self._watch.timeout_s = watchdog_s
             if devices is None:
                 devices = ctx.world_size // dp
         if devices is None:
@@ -190,7 +217,25 @@ class Pipeline:
         mi, mt = self._split(batch)
         self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
         self.step_count += 1
-        return self.last_stats["loss"]
+        loss, skipped = self.last_stats["loss"], self.last_stats.get("nonfinite", 0)
+        if skipped or not math.isfinite(loss):
+            self._nonfinite(loss, skipped)
+        return loss
+
+    def _nonfinite(self, loss: float, skipped: int) -> None:
+        """Every rank gets here at the same step: the loss and the count come from the same all-reduce."""
+        self.nonfinite_steps += 1
+        what = f"step {self.step_count}: the loss was {loss:.6g}" if not math.isfinite(loss) else \
+            f"step {self.step_count}: a gradient held a NaN or inf (loss {loss:.6g})"
+        done = (f"{skipped} optimizer update(s) with a non-finite gradient were skipped" if skipped else
+                "every gradient was finite, so the updates were applied")
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"{what}; {done}, so the weights hold no NaN or inf. Save them and look at this "
+                                 "step's data, lower the learning rate or clip gradients, or skip such updates "
+                                 "and go on (on_nonfinite='skip'; pipeoptim train --on-nonfinite skip)")
+        if self.nonfinite_steps == 1:
+            warnings.warn(f"{what}; {done} and training goes on (on_nonfinite='skip'); "
+                          "pipe.nonfinite_steps counts such steps", RuntimeWarning, stacklevel=3)
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -214,12 +259,16 @@ class Pipeline:
         from .runtime.checkpoint import pipeline_state
         return pipeline_state(self)
 
-    def save(self, directory: str, extra: dict | None = None) -> None:
-        """Write this rank's part of a checkpoint (call on every rank); ``extra`` is kept in meta.pt."""
+    def save(self, directory: str, extra: dict | None = None, keep: int | None = None) -> str:
+        """Write a checkpoint as ``directory/step-<step_count>/`` (call on every rank); ``extra`` is kept in
+        meta.pt; ``keep``: how many of the newest checkpoints under ``directory`` to keep (None: all).
+        Returns the checkpoint's own directory."""
         from .runtime.checkpoint import save
-        save(self, directory, extra)
+        return save(self, directory, extra, keep)
 
-    def load(self, directory: str) -> dict:
-        """Load a checkpoint saved with any stage balance; returns the ``extra`` it was saved with."""
+    def load(self, directory: str, weights_only: bool = False) -> dict:
+        """Load the newest intact checkpoint under ``directory`` (or the ``step-*`` directory given), saved
+        with any stage balance; returns the ``extra`` it was saved with; ``self.loaded_from`` says which.
+        ``weights_only``: parameters only (e.g. to continue with another optimizer)."""
         from .runtime.checkpoint import load
-        return load(self, directory)
+        return load(self, directory, weights_only)

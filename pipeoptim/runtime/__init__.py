@@ -5,9 +5,12 @@
     executor           one process per device on torch.distributed (gloo on CPU, NCCL on GPU)
     emulator           every device in one process, same numbers: the oracle and the fast path
     comm               point-to-point messages with shape headers, in a deadlock-free order
-    faults, launcher   one failing rank ends all ranks with its error; local N-process launcher
+    faults             the job's one reason to end (first writer wins); exit codes and signals in words
+    watchdog           per rank: ends it when the job ended elsewhere; names the rank holding a stuck job up
+    launcher           local N-process launcher: hosts the store, names a rank killed by a signal, SIGINT/TERM
     config             names -> checked configuration, before any process starts
     checkpoint         state keyed by global parameter names
+    checkpoint_files   atomic files, a manifest with hashes as the commit, the newest intact one, keep K
 
 Names are imported lazily so that ``pipeoptim --help`` does not load torch.distributed.
 """
@@ -18,7 +21,8 @@ import importlib
 _EXPORTS = {
     "Plan": "plan", "ConfigError": "plan", "PipelineError": "plan",
     "DeviceWorker": "worker", "StageRuntime": "worker", "Executor": "executor", "Emulator": "emulator",
-    "launch": "launcher", "make_schedule": "config", "check_policy": "config", "SCHEDULES": "config",
+    "launch": "launcher", "JobInterrupted": "launcher", "make_schedule": "config", "check_policy": "config",
+    "SCHEDULES": "config", "CheckpointError": "checkpoint_files",
 }
 __all__ = list(_EXPORTS)
 

@@ -82,8 +82,10 @@ class P2P:
     """Messages between pipeline ranks of one data-parallel copy; ``global_rank(d)`` maps a device to a rank."""
 
     def __init__(self, plan: Plan, me: int, global_rank, device: torch.device, wait=None):
+        """``wait(work, what, peer)`` waits for one transfer (``what`` in words, ``peer`` the global rank on
+        the other end); the executor's tells the rank's watchdog what it waits for."""
         self.plan, self.me, self.global_rank, self.device = plan, me, global_rank, device
-        self.wait = wait or (lambda work, what: work.wait())
+        self.wait = wait or (lambda work, what, peer: work.wait())
         self.reset(plan)
 
     def reset(self, plan: Plan) -> None:
@@ -113,7 +115,7 @@ class P2P:
         peer = self.global_rank(src)
         h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer)]):
-            self.wait(w, f"the header of {key}'s input from device {src}")
+            self.wait(w, f"the header of {key}'s input from rank {peer}", peer)
         metas = unpack_header(h)
         bufs, wires = [], []
         for m in metas:
@@ -126,14 +128,15 @@ class P2P:
             wires.append(_wire(b))
         if wires:
             for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in wires]):
-                self.wait(w, f"{key}'s input from device {src}")
+                self.wait(w, f"{key}'s input from rank {peer}", peer)
         return tuple(bufs)
 
     def finish(self) -> None:
         """Wait for every send of the iteration; check that every expected message was taken."""
         for works, _, key, dst in self.pending:
             for w in works:
-                self.wait(w, f"device {dst} to receive the output sent for {key}")
+                self.wait(w, f"rank {self.global_rank(dst)} to receive the output sent for {key}",
+                          self.global_rank(dst))
         self.pending.clear()
         for (src, dst), seq in self.plan.channels.items():
             if dst == self.me and self.taken.get(src, 0) != len(seq):

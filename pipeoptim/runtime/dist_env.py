@@ -1,11 +1,17 @@
 """Join the process group the way torchrun and the local launcher both set it up (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK), with gloo on CPU and NCCL on GPUs, and start the abort watchdog.
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK), with gloo on CPU and NCCL on GPUs, and start the rank's watchdog.
 
 The TCPStore is created here (not by ``init_process_group``) so the watchdog can open a second connection
-to the same store; under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) every rank is a client.
+to the same store. Under torchrun's agent store and under ``runtime.launch`` (both set
+TORCHELASTIC_USE_AGENT_STORE=True) the store lives in the launching process and every rank is a client, so
+the store outlives any rank; otherwise rank 0 hosts it.
+
+The process group's own timeout (gloo's and NCCL's) is a backstop set well above the watchdog's: the
+watchdog ends a stuck job first, with a message naming the rank that holds it up.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,10 +19,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .faults import AbortWatch
 from .plan import ConfigError
+from .watchdog import Watchdog
 
-__all__ = ["DistContext", "init_from_env"]
+__all__ = ["DistContext", "init_from_env", "watchdog_timeout_from_env"]
+
+WATCHDOG_ENV = "PIPEOPTIM_WATCHDOG_S"
+PG_TIMEOUT_S = 1800.0
 
 
 @dataclass
@@ -26,14 +35,38 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
-    watch: AbortWatch | None
+    watch: Watchdog | None
 
 
 _CONTEXT: DistContext | None = None
 
 
-def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> DistContext:
-    """Initialise torch.distributed from the environment once per process (later calls return the same)."""
+def watchdog_timeout_from_env() -> float | None:
+    text = os.environ.get(WATCHDOG_ENV)
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{WATCHDOG_ENV}={text!r} is not a positive number of seconds; set it to e.g. 600, or "
+                          "unset it for the default (max(300 s, 20 x the slowest step))")
+    return value
+
+
+def _abort_communicators() -> None:
+    """NCCL kernels may still wait on a peer when the watchdog ends the process: abort the communicators
+    first so the exit does not wait for them (gloo has nothing to abort)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+
+
+def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> DistContext:
+    """Initialise torch.distributed from the environment once per process (later calls return the same).
+    ``timeout_s``: the process group's timeout (default 30 min, and at least twice the watchdog's)."""
     global _CONTEXT
     if _CONTEXT is not None:
         return _CONTEXT
@@ -42,6 +75,7 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> DistContext:
         raise ConfigError(f"distributed run without {', '.join(missing)} in the environment: start the script "
                           "with `torchrun --nproc-per-node N script.py`, use pipeoptim.runtime.launch(...), or "
                           "pass emulate=True to run every stage in this process")
+    watchdog_s = watchdog_timeout_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -56,12 +90,17 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> DistContext:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if timeout_s is None:
+            timeout_s = max(PG_TIMEOUT_S, 2 * (watchdog_s or 0))
         store = dist.TCPStore(host, port, world, is_master=(rank == 0 and not agent),
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        watch = AbortWatch(host, port, world, rank,
-                           error_file=os.environ.get("PIPEOPTIM_ERROR_DIR") and
-                           os.path.join(os.environ["PIPEOPTIM_ERROR_DIR"], f"abort{rank}.txt")).start()
+        watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=60),
+                                    wait_for_workers=False)
+        watch = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
+                         quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1",
+                         before_exit=_abort_communicators).start()
+        atexit.register(watch.stop)  # a rank that finished says so (peers that still wait will name it)
     _CONTEXT = DistContext(dist.get_rank(), dist.get_world_size(), local_rank, tdev, backend, watch)
     return _CONTEXT

@@ -101,11 +101,13 @@ class Emulator:
                                 norm_done = True
                                 if clip_norm is not None:
                                     coef = min(1.0, clip_norm / (grad_norm + 1e-6))
-                            elif not plan.schedule.synchronous and clip_norm is not None:
+                            finite = math.isfinite(grad_norm) if plan.schedule.synchronous else None
+                            if not plan.schedule.synchronous and clip_norm is not None:
                                 local = math.sqrt(sum(float(g.double().pow(2).sum())
                                                       for g in w.master_grads([a.chunk])))
                                 coef = min(1.0, clip_norm / (local + 1e-6))
-                            w.step(pos[d], a, coef)
+                                finite = math.isfinite(local)
+                            w.step(pos[d], a, coef, finite)
                     except PipelineError:
                         raise
                     except Exception as e:
@@ -124,7 +126,8 @@ class Emulator:
         losses = [v for w in self.workers for v in w.losses.values()]
         busy = sum(w.busy for w in self.workers)
         return {"loss": float(sum(float(v) for v in losses) / len(losses)), "grad_norm": grad_norm,
-                "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12))}
+                "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
+                "nonfinite": sum(len(w.nonfinite) for w in self.workers)}
 
     def _sum_ties(self) -> None:
         """Tied parameters: every copy's gradient becomes the sum over the copies (devices in order)."""

@@ -13,8 +13,12 @@
   chunk's gradients are averaged over the data-parallel group first (one sync per step). Asynchronous
   schedules clip per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the
   pipeline-wide norm of that micro-batch does not exist yet.
+- A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
+  decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
+  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step.
 - Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
-  every rank (``faults.AbortWatch``).
+  every rank (``faults``). Each action, each wait for a peer and each collective is announced to the rank's
+  watchdog (``watchdog``), which ends a job that stops making progress, naming who holds it up.
 """
 from __future__ import annotations
 
@@ -27,7 +31,9 @@ import torch.distributed as dist
 from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
 from ..schedules.dataflow import input_transfer, output_transfer
 from .comm import P2P
+from .faults import is_connection_loss
 from .plan import Plan, PipelineError
+from .watchdog import COLLECTIVE
 from .worker import DeviceWorker
 
 __all__ = ["Executor", "Groups", "describe_failure"]
@@ -92,8 +98,13 @@ class Executor:
         self.rank = dp_rank * plan.num_devices + self.me
         tied_sets = [t.devices for t in worker.ties if len(t.devices) > 1]
         self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets)
-        self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device)
         self.watch = watch
+        self._doing = watch.doing if watch is not None else (lambda what, peer=None: None)
+        self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device, wait=self._wait)
+
+    def _wait(self, work, what: str, peer: int) -> None:
+        self._doing(f"waiting for {what}", peer)
+        work.wait()
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         """Run one iteration of ``plan`` (the training plan or its forward-only twin); returns stats that are
@@ -106,15 +117,20 @@ class Executor:
         first_step = True
         action = None
         self._dp_done: set[int] = set()
+        doing = self._doing
         try:
             for i, action in enumerate(plan.actions[self.me]):
                 if isinstance(action, BackwardWeight):
+                    doing(action)
                     w.backward_weight(action)
                 elif is_compute(action):
+                    doing(action)
                     data = self._input(plan, action)
+                    doing(action)
                     out = w.forward(action, data) if isinstance(action, Forward) else w.backward(action, data)
                     self._deliver(plan, action, out)
                 elif isinstance(action, Sync):
+                    doing(action, COLLECTIVE)
                     group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
                     bufs = w.sync_buffers(action.stages)
                     for b in bufs:
@@ -127,7 +143,8 @@ class Executor:
                         if c.stage in action.stages:
                             w.stages[c].policy.binding.grads_changed()
                 elif isinstance(action, Step):
-                    coef = None
+                    doing(action, COLLECTIVE if plan.schedule.synchronous or self.dp_size > 1 else None)
+                    coef, finite = None, None  # None: the worker checks this chunk's own gradient
                     if self.dp_size > 1 and action.stage not in self._dp_done:
                         self._dp_average(action)
                     if plan.schedule.synchronous and first_step:
@@ -143,27 +160,36 @@ class Executor:
                         local = math.sqrt(sum(float(g.double().pow(2).sum())
                                               for g in w.master_grads([action.chunk])))
                         coef = min(1.0, clip_norm / (local + 1e-6))
-                    w.step(i, action, coef)
+                        finite = math.isfinite(local)
+                    if plan.schedule.synchronous:
+                        finite = math.isfinite(grad_norm)
+                    w.step(i, action, coef, finite)
             action = None
             self.p2p.finish()
             w.end()
+            wall = time.perf_counter() - t0
+            loss_sum = sum(float(v) for v in w.losses.values())
+            stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall, len(w.nonfinite)], dtype=torch.float64)
+            doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
+            dist.all_reduce(stats, group=self.groups.pp)
+            if self.dp_size > 1:
+                dist.all_reduce(stats, group=self.groups.dp)
         except PipelineError:
             raise
         except Exception as e:
             message = describe_failure(self.rank, self.me, plan, action, e)
             if self.watch is not None:
-                self.watch.signal(message)
+                self.watch.signal(message, symptom=is_connection_loss(e))
             raise PipelineError(message) from e
-        wall = time.perf_counter() - t0
-        loss_sum = sum(float(v) for v in w.losses.values())
-        stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall], dtype=torch.float64)
-        dist.all_reduce(stats, group=self.groups.pp)
-        if self.dp_size > 1:
-            dist.all_reduce(stats, group=self.groups.dp)
+        finally:
+            if self.watch is not None:
+                self.watch.idle()
+        if self.watch is not None:
+            self.watch.measured(time.perf_counter() - t0)
         D = plan.num_devices * self.dp_size
         return {"loss": float(stats[0] / stats[1]), "grad_norm": grad_norm,
                 "busy": float(stats[2]) / D, "wall": float(stats[3]) / D,
-                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12)}
+                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12), "nonfinite": int(stats[4])}
 
     def _input(self, plan: Plan, op):
         t = input_transfer(plan.schedule, op) if isinstance(op, Forward) else output_transfer(plan.schedule,

@@ -1,105 +1,265 @@
-"""Start N worker processes on this machine, torchrun-style, and make their failure a clean error here.
+"""Start N worker processes on this machine, torchrun-style, and turn every way they can fail into one clean
+error here, with every process of the job gone.
 
-``launch(fn, nprocs, *args)`` spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set (one torch thread each by default: N processes share the cores), runs ``fn(*args)`` in each
-and returns the per-rank results. When a worker exits non-zero, the others get ``grace_s`` seconds to stop on
-their own (the abort watchdog ends them with the failing rank's message) and are then killed; the error
-raised here carries the failing rank's message and traceback. ``timeout_s`` bounds the whole run.
+``launch(fn, nprocs, *args)`` spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+set (one torch thread each by default: N processes share the cores), runs ``fn(*args)`` in each and returns
+the per-rank results.
+
+- The rendezvous store lives in this process, as torchrun's agent store does, on a port the operating system
+  picks (``port=None``: two jobs on one machine never meet) or on ``port=`` (one in use is a ``ConfigError``
+  naming it, before any process starts). It outlives every rank, so the job's reason to end still reaches
+  everyone when rank 0 is the one that died.
+- Workers are named ``pipeoptim-r<rank>`` (``ps``, ``top``), ignore SIGINT (Ctrl-C reaches the terminal's
+  whole process group; this process ends the job in order) and die with this process
+  (``PR_SET_PDEATHSIG``), so a launcher killed outright leaves no orphans.
+- A worker that raises publishes its error (``faults``); every other rank's watchdog then ends its process.
+  A worker killed by a signal (the out-of-memory killer's SIGKILL) cannot say anything: this process sees
+  its exit within ``POLL_S``, publishes "rank r ... was killed by SIGKILL" for the others and raises with it.
+  A frozen worker is found by the other ranks' watchdogs (``watchdog``), which end the job naming it.
+- Once the job has failed, workers get ``grace_s`` to end on their own; any left (a stopped process cannot)
+  are killed. SIGINT or SIGTERM to this process publishes the stop, ends every worker the same way and
+  raises ``JobInterrupted``. ``timeout_s`` bounds the whole run.
 """
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import multiprocessing.util
 import os
-import socket
+import signal
 import tempfile
+import threading
 import time
 import traceback
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .plan import PipelineError
+from . import faults
+from .plan import ConfigError, PipelineError
 
-__all__ = ["launch", "free_port"]
+__all__ = ["launch", "host_store", "JobInterrupted", "POLL_S"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+POLL_S = 0.05
 
 
-def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, fn, args) -> None:
+class JobInterrupted(PipelineError):
+    """The launcher was asked to stop (SIGINT, SIGTERM) and ended every worker; ``signum`` says which."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class _Interrupt(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def host_store(port: int | None, world_size: int):
+    """The job's rendezvous store, served from this process (port None or 0: a free one)."""
+    try:
+        return dist.TCPStore("127.0.0.1", port or 0, world_size, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=60))
+    except RuntimeError as e:
+        if "EADDRINUSE" in str(e) or "already in use" in str(e):
+            raise ConfigError(f"port {port} on this machine is already in use (another job's rendezvous, or "
+                              "another program): choose another port, or leave the port unset so that a free "
+                              "one is picked") from None
+        raise
+
+
+def _die_with(parent: int) -> None:
+    """Linux: SIGKILL this process when ``parent`` (the launcher) dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(15, f"pipeoptim-r{os.environ['RANK']}".encode()[:15])  # PR_SET_NAME: ps, top
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(faults.ABORT_EXIT)
+
+
+def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent: int, watchdog_s, fn,
+           args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PIPEOPTIM_ERROR_DIR=workdir)
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      TORCHELASTIC_RESTART_COUNT="0", PIPEOPTIM_LAUNCHED="1")
+    if watchdog_s is not None:
+        os.environ["PIPEOPTIM_WATCHDOG_S"] = str(watchdog_s)
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the platform's default start method again (spawn set this process's): a rank behaves like one started
+    # by torchrun, and its locks (tqdm's) are unnamed under fork, so a killed rank leaves none in /dev/shm
+    multiprocessing.set_start_method(None, force=True)
     if threads:
         torch.set_num_threads(threads)
+    from . import dist_env
     try:
         result = fn(*args)
         torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
-        import multiprocessing.util
+        if dist_env._CONTEXT is not None and dist_env._CONTEXT.watch is not None:
+            dist_env._CONTEXT.watch.stop()
         multiprocessing.util._run_finalizers(0)  # release semaphores (tqdm's lock) before the hard exit
     except BaseException as e:
-        from . import dist_env
         first = True
-        if dist_env._CONTEXT is not None and dist_env._CONTEXT.watch is not None:
-            first = dist_env._CONTEXT.watch.signal(f"rank {rank}: {type(e).__name__}: {e}")
+        watch = dist_env._CONTEXT.watch if dist_env._CONTEXT is not None else None
+        if watch is not None:
+            first = watch.signal(str(e) if isinstance(e, PipelineError) else f"rank {rank}: {type(e).__name__}: {e}",
+                                 symptom=faults.is_connection_loss(e))
         # a rank that failed only because another one did (e.g. its peer's connection closed) is secondary
         with open(os.path.join(workdir, f"{'error' if first else 'secondary'}{rank}.txt"), "w") as f:
             f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
-        os._exit(1)
+        os._exit(faults.FAILED_EXIT)
     os._exit(0)  # skip interpreter teardown: process-group destructors may wait on dead peers
 
 
-def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: float = 5.0,
-           threads: int = 1) -> list:
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="pipeoptim-launch-") as workdir:
-        procs = [ctx.Process(target=_child, args=(r, nprocs, port, workdir, threads, fn, args), daemon=False)
-                 for r in range(nprocs)]
-        for p in procs:
+class _Job:
+    def __init__(self, fn, nprocs: int, args, threads: int, port: int | None, watchdog_s: float | None,
+                 workdir: str):
+        self.nprocs, self.workdir = nprocs, workdir
+        self.store = host_store(port, nprocs)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_child, name=f"pipeoptim-r{r}", daemon=False,
+                                  args=(r, nprocs, self.store.port, workdir, threads, os.getpid(), watchdog_s, fn,
+                                        args))
+                      for r in range(nprocs)]
+        self.signalled: set[int] = set()  # ranks this process killed (their signal is not news)
+        self.cause: str | None = None     # a death the workers cannot report themselves
+
+    def start(self) -> None:
+        for p in self.procs:
             p.start()
+
+    def publish(self, message: str) -> None:
+        try:
+            faults.publish(self.store, message)
+        except Exception:
+            pass
+
+    def watch(self, timeout_s: float | None, grace_s: float) -> None:
+        """Return when every worker has ended, or the job failed and ``grace_s`` has passed."""
         start = time.monotonic()
         failed_at = None
-        try:
-            while any(p.is_alive() for p in procs):
-                now = time.monotonic()
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+        while any(p.exitcode is None for p in self.procs):
+            now = time.monotonic()
+            for r, p in enumerate(self.procs):
+                code = p.exitcode
+                if code is not None and code < 0 and r not in self.signalled and self.cause is None:
+                    self.cause = faults.killed_message(r, p.pid, -code, self.nprocs)
+                    self.publish(self.cause)
+                if failed_at is None and code not in (None, 0):
                     failed_at = now
-                if failed_at is not None and now - failed_at > grace_s:
+            if failed_at is None and self._published() is not None:
+                failed_at = now  # a watchdog ended the job: its rank exits at once, a stopped one never does
+            if failed_at is not None and now - failed_at > grace_s:
+                return
+            if failed_at is None and timeout_s is not None and now - start > timeout_s:
+                self.publish(f"the job did not finish within {timeout_s:.0f} s (the launcher's timeout_s); "
+                             "stopping every rank")
+                failed_at = now
+            time.sleep(POLL_S)
+
+    def _published(self) -> str | None:
+        try:
+            return faults.published(self.store)
+        except Exception:
+            return None
+
+    def end(self, grace_s: float) -> None:
+        """Wait up to ``grace_s`` for the workers to end, then kill what is left (also stopped processes)."""
+        deadline = time.monotonic() + grace_s
+        while any(p.pid is not None and p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.kill()
+        self.join()
+
+    def join(self) -> None:
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(10)
+
+    def kill(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.pid is not None and p.exitcode is None:
+                self.signalled.add(r)
+                p.kill()
+
+    def summary(self) -> str:
+        return ", ".join(f"rank {r}: " + ("killed by the launcher (it had not ended on its own)"
+                                           if r in self.signalled else faults.describe_exit(p.exitcode))
+                         for r, p in enumerate(self.procs))
+
+    def report(self) -> PipelineError:
+        summary = self.summary()
+        reason = self.cause or self._published()
+        origin = None
+        for kind in ("error", "secondary"):
+            for r in range(self.nprocs):
+                path = os.path.join(self.workdir, f"{kind}{r}.txt")
+                if os.path.exists(path):
+                    origin = (r, open(path).read())
                     break
-                if timeout_s is not None and now - start > timeout_s:
-                    break
-                time.sleep(0.05)
+            if origin:
+                break
+        if reason is None and origin is not None:
+            reason = origin[1].splitlines()[0]
+        if reason is None:
+            reason = "workers ended without saying why"
+        text = f"{reason}\n(exit status: {summary})"
+        if origin is not None and not self.cause:
+            text += f"\n\ntraceback of rank {origin[0]}:\n{origin[1]}"
+        return PipelineError(text)
+
+
+def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: float = 3.0, threads: int = 1,
+           port: int | None = None, watchdog_s: float | None = None) -> list:
+    """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result, or raises
+    ``PipelineError`` naming the rank that failed (and how), ``JobInterrupted`` on SIGINT/SIGTERM, or
+    ``ConfigError`` when ``port`` is taken. ``watchdog_s``: the ranks' stall timeout (``watchdog``)."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if watchdog_s is not None and not watchdog_s > 0:
+        raise ValueError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
+    with tempfile.TemporaryDirectory(prefix="pipeoptim-launch-") as workdir:
+        job = _Job(fn, nprocs, args, threads, port, watchdog_s, workdir)
+        previous = {}
+        received: list[int] = []
+
+        def interrupt(signum, frame):
+            if not received:  # a second Ctrl-C while the workers are being ended changes nothing
+                received.append(signum)
+                raise _Interrupt(signum)
+
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                previous[s] = signal.signal(s, interrupt)
+        try:
+            try:
+                job.start()
+                job.watch(timeout_s, grace_s)
+            except _Interrupt:
+                pass
+            if received:
+                job.publish(f"the launcher (pid {os.getpid()}) received {faults.signal_name(received[0])}: "
+                            "stopping every rank")
+            try:
+                job.end(grace_s if not received else min(grace_s, 2.0))
+            except _Interrupt:  # interrupted while the failed job was ending: end it now
+                pass
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join(5)
-        codes = [p.exitcode for p in procs]
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            job.kill()
+            job.join()
+        codes = [p.exitcode for p in job.procs]
+        if received:
+            raise JobInterrupted(received[0], f"stopped by {faults.signal_name(received[0])}: every rank has ended "
+                                 f"(exit status: {job.summary()})")
         if all(c == 0 for c in codes):
             return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(nprocs)]
-        errors = []
-        for r in range(nprocs):
-            path = os.path.join(workdir, f"error{r}.txt")
-            if os.path.exists(path):
-                errors.append((r, open(path).read()))
-        for kind in ("secondary", "abort"):
-            if errors:
-                break
-            for r in range(nprocs):
-                path = os.path.join(workdir, f"{kind}{r}.txt")
-                if os.path.exists(path):
-                    errors.append((r, open(path).read()))
-        elapsed = time.monotonic() - start
-        if errors:
-            r, text = errors[0]
-            head = text.splitlines()[0] if text else ""
-            raise PipelineError(f"worker rank {r} failed (exit codes {codes}): {head}\n\n{text}")
-        if timeout_s is not None and elapsed > timeout_s:
-            raise PipelineError(f"workers did not finish within {timeout_s:.0f} s (exit codes {codes}); killed them")
-        raise PipelineError(f"workers exited with codes {codes} without an error message (killed by a signal? "
-                            "out of memory?)")
+        raise job.report()

@@ -15,6 +15,7 @@ the policy's ``backward(..., part="input")`` and ``backward(..., part="weight")`
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -68,6 +69,7 @@ class DeviceWorker:
         self.losses: dict[int, torch.Tensor] = {}
         self.local: dict = {}
         self.busy = 0.0
+        self.nonfinite: list[Step] = []  # steps skipped this iteration: their gradient held a NaN or inf
         for st in self.stages.values():
             st.module.train(train)
 
@@ -247,13 +249,25 @@ class DeviceWorker:
                     total -= g.master_grad_views[j].detach().double().pow(2).sum().cpu()
         return total
 
-    def step(self, index: int, action: Step, clip_coef: float | None = None) -> None:
+    def grads_finite(self, chunks) -> bool:
+        """Whether every gradient of ``chunks`` is finite (a float64 sum cannot overflow from fp32 values, so
+        it is finite exactly when they all are)."""
+        return all(math.isfinite(float(g.sum(dtype=torch.float64))) for g in self.master_grads(chunks))
+
+    def step(self, index: int, action: Step, clip_coef: float | None = None, finite: bool | None = None) -> None:
+        """Take ``action``'s optimizer step, unless the gradient is not finite: then the update, its LR
+        scheduler step and the policy's state are skipped and the gradient dropped (``self.nonfinite``).
+        ``finite``: the caller's verdict (the global norm of a synchronous schedule); None: check this chunk."""
         t0 = time.perf_counter()
         st = self.stages[action.chunk]
-        if clip_coef is not None and clip_coef < 1.0:
+        if finite is None:
+            finite = self.grads_finite([action.chunk])
+        if not finite:
+            self.nonfinite.append(action)
+        elif clip_coef is not None and clip_coef < 1.0:
             for g in self.master_grads([action.chunk]):
                 g.mul_(clip_coef)
-        st.policy.step(next_s=self.run_plan.next_s(self.device, index))
-        if st.scheduler is not None:
+        stepped = st.policy.step(next_s=self.run_plan.next_s(self.device, index), skip=not finite)
+        if stepped and st.scheduler is not None:
             st.scheduler.step()
         self.busy += time.perf_counter() - t0

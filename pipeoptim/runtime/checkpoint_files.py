@@ -1,0 +1,265 @@
+"""How checkpoint files reach the disk and are found again, so that a crash at any moment (a killed rank, a
+node rebooting mid-write, a full disk) never leaves a checkpoint that looks complete but is not.
+
+Layout: ``<root>/step-<8 digits>/`` holds ``part-<rank>.pt`` (one per rank that wrote), ``meta.pt`` and
+``manifest.json``.
+
+- Every file is written under a temporary name, flushed to the disk (fsync) and renamed into place, and
+  hashed (SHA-256) as it is written.
+- The manifest is the commit. Rank 0 writes it only after every rank's part is in place (it receives their
+  sizes and hashes) and the directory has been flushed; a step directory without one is a checkpoint that
+  was being written when the job died, and is ignored. Writing the same step again first removes the
+  manifest, so a crash halfway never leaves an old manifest over new parts.
+- Reading checks every file the manifest lists, its size and its hash (the ranks of a distributed load
+  each hash a slice): a missing, truncated or corrupted file is a ``CheckpointError`` naming the file.
+  ``newest`` takes the newest intact checkpoint under a root and warns about every newer one it passes
+  over, naming why; a load that passed some over sets them aside (``set_aside``) so that they never count
+  again.
+- ``prune`` keeps the newest K complete checkpoints (older ones and older crash leftovers go, manifest first
+  so that a crash while deleting never leaves a checkpoint that looks complete).
+
+Megatron and DeepSpeed commit a checkpoint by writing a "latest" tracker file after a barrier, and
+torch.distributed.checkpoint by writing its metadata file last; the manifest here is that commit, with the
+sizes and hashes that let a reader tell a damaged file from a good one.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+
+__all__ = ["CheckpointError", "CheckpointWarning", "MANIFEST", "step_dir", "write_file", "commit", "uncommit",
+           "check_sizes", "check_hash", "verify", "is_checkpoint", "list_steps", "newest", "newest_and_skipped",
+           "set_aside", "prune"]
+
+MANIFEST = "manifest.json"
+FORMAT = "pipeoptim-checkpoint/1"
+_STEP = re.compile(r"^step-(\d+)$")
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete or damaged; the message names the file and what is wrong with it."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was passed over in favour of an older intact one."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Hashing:
+    """A write-only file wrapper that hashes and counts what passes through (torch.save writes to it)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_file(path: str, write) -> dict:
+    """Atomically create ``path`` with ``write(file)``; returns its manifest record {bytes, sha256}."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            out = _Hashing(f)
+            write(out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return {"bytes": out.bytes, "sha256": out.sha.hexdigest()}
+
+
+def uncommit(directory: str) -> None:
+    """Make ``directory`` not a checkpoint (before its files are written again)."""
+    path = os.path.join(directory, MANIFEST)
+    if os.path.exists(path):
+        os.remove(path)
+        _fsync_dir(directory)
+
+
+def commit(directory: str, files: dict[str, dict], info: dict) -> dict:
+    """Write the manifest naming ``files`` (name -> record), after flushing the directory; returns it."""
+    for name in files:
+        if not os.path.exists(os.path.join(directory, name)):
+            raise CheckpointError(f"cannot commit checkpoint {directory}: {name} is missing")
+    _fsync_dir(directory)
+    manifest = {"format": FORMAT, "written": time.strftime("%Y-%m-%d %H:%M:%S"), **info, "files": files}
+    path = os.path.join(directory, MANIFEST)
+    write_file(path, lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
+    _fsync_dir(directory)
+    return manifest
+
+
+def _read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{directory} is incomplete: it has no {MANIFEST} (the job stopped while writing "
+                              "it, or it is not a checkpoint)")
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest (format {manifest.get('format')!r})")
+    return manifest
+
+
+def check_sizes(directory: str) -> dict:
+    """The manifest of ``directory`` after checking that every file it lists is there with its size (cheap:
+    no file is read); else ``CheckpointError`` naming the file."""
+    manifest = _read_manifest(directory)
+    for name, rec in sorted(manifest["files"].items()):
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path} is missing (the manifest lists it)")
+        size = os.path.getsize(path)
+        if size != rec["bytes"]:
+            raise CheckpointError(f"{path} is truncated or overwritten: {size} bytes, the manifest says "
+                                  f"{rec['bytes']}")
+    return manifest
+
+
+def check_hash(directory: str, name: str, record: dict) -> str | None:
+    """None if file ``name`` hashes to its manifest record, else why not (a sentence naming the file)."""
+    path = os.path.join(directory, name)
+    sha = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(_CHUNK):
+                sha.update(block)
+    except OSError as e:
+        return f"{path} cannot be read: {e}"
+    if sha.hexdigest() != record["sha256"]:
+        return (f"{path} is corrupted: its SHA-256 differs from the manifest's (the size is right, so bytes "
+                "inside it changed)")
+    return None
+
+
+def verify(directory: str, share=None) -> dict:
+    """The manifest of ``directory`` after checking every file it lists: there, of its size, of its hash.
+    ``share(names, check)``: how the hashing is shared out (the distributed loader lets each rank hash a
+    slice and gathers the verdicts); it returns the problems found. Else ``CheckpointError`` naming a file."""
+    manifest = check_sizes(directory)
+    files = manifest["files"]
+
+    def check(names):
+        return [p for p in (check_hash(directory, n, files[n]) for n in names) if p]
+
+    problems = share(sorted(files), check) if share is not None else check(sorted(files))
+    if problems:
+        raise CheckpointError(problems[0])
+    return manifest
+
+
+def is_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` is one committed checkpoint (has a manifest; not checked further)."""
+    return os.path.exists(os.path.join(directory, MANIFEST))
+
+
+def list_steps(root: str) -> list[tuple[int, str]]:
+    """(step, directory) of every step directory under ``root``, newest first, committed or not."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            out.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(out, reverse=True)
+
+
+def newest(root: str, *, warn: bool = True, share=None) -> tuple[str, dict]:
+    """The newest intact checkpoint under ``root``: (directory, manifest). Each newer one passed over is a
+    ``CheckpointWarning`` naming why; none intact is a ``CheckpointError`` listing them all. ``share``: as in
+    ``verify``."""
+    directory, manifest, _ = newest_and_skipped(root, warn=warn, share=share)
+    return directory, manifest
+
+
+def newest_and_skipped(root: str, *, warn: bool = True, share=None) -> tuple[str, dict, list[tuple[str, str]]]:
+    """``newest``, plus (directory, what is wrong with it) for each step directory it passed over."""
+    problems, skipped = [], []
+    for _, directory in list_steps(root):
+        try:
+            manifest = verify(directory, share)
+        except CheckpointError as e:
+            problems.append(str(e))
+            skipped.append((directory, str(e)))
+            continue
+        if warn:
+            for p in problems:
+                warnings.warn(f"skipping a checkpoint: {p}; using {directory} instead", CheckpointWarning,
+                              stacklevel=3)
+        return directory, manifest, skipped
+    if not problems:
+        legacy = sorted(glob.glob(os.path.join(root, "part-*.pt")))
+        hint = " (it holds part-*.pt without a manifest: a checkpoint from an older pipeoptim)" if legacy else ""
+        raise FileNotFoundError(f"no checkpoint in {root}{hint}; save one with Pipeline.save")
+    raise CheckpointError(f"no intact checkpoint in {root}: " + "; ".join(problems))
+
+
+def set_aside(directory: str) -> str:
+    """Rename a checkpoint found damaged or incomplete to ``<name>.damaged`` / ``<name>.incomplete``: kept
+    for a look, never counted again (``prune`` would otherwise keep it in place of an intact one)."""
+    base = f"{directory}.{'damaged' if is_checkpoint(directory) else 'incomplete'}"
+    target, n = base, 1
+    while os.path.exists(target):
+        n += 1
+        target = f"{base}-{n}"
+    os.replace(directory, target)
+    return target
+
+
+def _sizes_ok(directory: str) -> bool:
+    try:
+        check_sizes(directory)
+    except CheckpointError:
+        return False
+    return True
+
+
+def prune(root: str, keep: int | None) -> list[str]:
+    """Delete all but the newest ``keep`` committed checkpoints under ``root`` (a truncated one does not
+    count, and stays), and uncommitted step directories older than the newest committed one (crash
+    leftovers). Returns the deleted directories."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (the checkpoint just written), got {keep}")
+    steps = list_steps(root)
+    committed = [d for _, d in steps if _sizes_ok(d)]
+    doomed = committed[keep:]
+    if committed:
+        newest_step = next(s for s, d in steps if d == committed[0])
+        doomed += [d for s, d in steps if s < newest_step and not is_checkpoint(d)]
+    for d in doomed:
+        uncommit(d)
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed

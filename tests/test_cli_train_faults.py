@@ -1,0 +1,181 @@
+"""`pipeoptim train` meeting the faults of a long run, injected for real: a rank SIGKILLed, SIGTERM/SIGINT and
+SIGKILL to the launcher, two runs on one machine, a port taken, checkpoints truncated and corrupted, a loss
+that turns NaN. Each ends with the exit status and message the README's table promises, nothing left
+running, and a checkpoint that --resume continues from."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+import fault_harness as fh
+
+BOUND_S = 30.0  # from the fault to every process of the run gone (README, "What happens when things go wrong")
+SMALL = ["--model", "tiny", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--schedule", "1f1b"]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    fh.cleanup()
+
+
+def _start(tmp_path, *args, name="run"):
+    run = tmp_path / name
+    job = fh.Job(fh.train_cmd(*SMALL, "--run-dir", str(run), *args), str(tmp_path))
+    return job, run
+
+
+def _manifest(run, step):
+    return str(run / "checkpoint" / f"step-{step:08d}" / "manifest.json")
+
+
+def _run(tmp_path, *args, timeout=300):
+    job = fh.Job(fh.train_cmd(*SMALL, *args), str(tmp_path))
+    code = job.wait(timeout)
+    return code, job.text()
+
+
+def test_sigkilled_rank0_ends_the_run_and_resume_continues(tmp_path):
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1")  # progress bar on: rank 0 holds a lock
+    fh.wait_for(_manifest(run, 2), job)
+    t0 = time.monotonic()
+    os.kill(fh.rank_pid(job, 0), signal.SIGKILL)
+    code = job.wait(BOUND_S + 30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 1, text
+    assert "rank 0 of 2" in text and "killed by SIGKILL" in text, text
+    assert "the newest intact checkpoint is" in text and "continue with --resume" in text, text
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+    assert not fh.shm_left(job.shm_before)
+    at = max(int(p.name.split("-")[1]) for p in (run / "checkpoint").iterdir() if (p / "manifest.json").exists())
+    code, text = _run(tmp_path, "--run-dir", str(run), "--resume", "--steps", str(at + 2), "--emulate",
+                      "--no-progress")
+    assert code == 0, text
+    assert f"resuming from {run}/checkpoint/step-{at:08d} (step {at} of {at + 2})" in text, text
+    history = json.load(open(run / "history.json"))["history"]
+    assert [h["step"] for h in history] == list(range(1, at + 3))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
+    fh.wait_for(_manifest(run, 2), job)
+    ranks = [fh.rank_pid(job, r) for r in range(2)]
+    t0 = time.monotonic()
+    os.kill(job.proc.pid, sig)
+    code = job.wait(BOUND_S + 30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 128 + sig, text
+    assert f"stopped by {sig.name}: every rank has ended" in text, text
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+    assert not any(os.path.exists(f"/proc/{p}") and fh._state(p) != "Z" for p in ranks)
+
+
+def test_sigkilled_launcher_takes_its_ranks_along(tmp_path):
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
+    fh.wait_for(_manifest(run, 2), job)
+    job.members()  # record the ranks before their parent goes
+    t0 = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.wait(30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+
+
+def test_two_runs_on_one_machine_both_finish(tmp_path):
+    a, _ = _start(tmp_path, "--steps", "40", "--no-progress", name="a")
+    b, _ = _start(tmp_path, "--steps", "40", "--no-progress", name="b")
+    fh.rank_pid(a, 1), fh.rank_pid(b, 1)
+    assert a.proc.poll() is None and b.proc.poll() is None, "the two runs were meant to overlap"
+    assert a.wait(300) == 0, a.text()
+    assert b.wait(300) == 0, b.text()
+    assert "final loss:" in a.text() and "final loss:" in b.text()
+
+
+def test_a_run_dir_in_use_is_refused_naming_its_holder(tmp_path):
+    import fcntl
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / ".lock", "w") as held:  # what a running pipeoptim train holds for its run directory
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242")
+        held.flush()
+        code, text = _run(tmp_path, "--run-dir", str(run), "--steps", "1", "--no-progress")
+    assert code == 2 and f"{run} is in use by another pipeoptim train (pid 4242)" in text, text
+    assert not (run / "checkpoint").exists()
+
+
+def test_port_in_use_is_reported_before_any_rank_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, text = _run(tmp_path, "--run-dir", str(tmp_path / "r"), "--port", str(port), "--no-progress")
+    assert code == 2 and f"port {port} on this machine is already in use" in text, text
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 3])
+    else:  # flip one byte in the middle: same size, different contents
+        i = len(data) // 2
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:])
+
+
+def test_damaged_checkpoints_are_named_and_resume_takes_the_newest_intact_one(tmp_path):
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--emulate", "--no-progress"]
+    code, text = _run(tmp_path, *common, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "3")
+    assert code == 0, text
+    ck = run / "checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-00000002", "step-00000003", "step-00000004"]
+    _damage(ck / "step-00000004" / "part-0.pt", "truncate")
+    _damage(ck / "step-00000003" / "part-0.pt", "flip")
+    (ck / "step-00000005").mkdir()  # a checkpoint the run died writing: parts, no manifest
+    (ck / "step-00000005" / "part-0.pt").write_bytes(b"half")
+    # resumed on 4 stages instead of 2: checkpoints load into any stage count
+    code, text = _run(tmp_path, *common, "--steps", "5", "--resume", "--stages", "4")
+    assert code == 0, text
+    assert "step-00000005 is incomplete: it has no manifest.json" in text, text
+    assert f"{ck}/step-00000004/part-0.pt is truncated" in text, text
+    assert f"{ck}/step-00000003/part-0.pt is corrupted" in text, text
+    assert f"resuming from {ck}/step-00000002 (step 2 of 5)" in text, text
+    history = json.load(open(run / "history.json"))["history"]
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5]
+
+
+def test_resume_refuses_what_cannot_carry_over(tmp_path):
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), "--emulate", "--no-progress"]
+    code, text = _run(tmp_path, *common, "--steps", "1")
+    assert code == 0, text
+    code, text = _run(tmp_path, *common, "--steps", "2", "--resume", "--optimizer", "sgd")
+    assert code == 2 and "written with --optimizer adamw and this run asks for --optimizer sgd" in text, text
+    code, text = _run(tmp_path, *common, "--steps", "2", "--resume", "--schedule", "async-1f1b")
+    assert code == 2 and "the learning-rate schedule would not carry over" in text, text
+
+
+def test_nan_stops_with_a_checkpoint_of_the_last_finite_state(tmp_path):
+    run = tmp_path / "run"
+    # SGD with an absurd learning rate: the weights blow up and the loss turns NaN within a few steps
+    blowup = ["--emulate", "--no-progress", "--optimizer", "sgd", "--lr", "1e30", "--clip", "0"]
+    code, text = _run(tmp_path, *blowup, "--steps", "20", "--run-dir", str(run))
+    assert code == 3, text
+    assert "stopped at step" in text and "the loss was nan" in text, text
+    stop = json.load(open(run / "history.json"))["history"][-1]["step"]
+    assert stop < 20 and f"checkpoint of the last finite state: {run}/checkpoint/step-{stop:08d}" in text, text
+    part = torch.load(run / "checkpoint" / f"step-{stop:08d}" / "part-0.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in part["params"].values())
+    code, text = _run(tmp_path, *blowup, "--steps", "4", "--on-nonfinite", "skip", "--run-dir", str(tmp_path / "skip"))
+    assert code == 0, text
+    skipped = [h for h in json.load(open(tmp_path / "skip" / "history.json"))["history"] if h["skipped"]]
+    assert skipped, "the run was meant to meet a NaN"

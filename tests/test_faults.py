@@ -1,0 +1,112 @@
+"""Faults injected for real into running jobs (runtime.launch, torchrun): a rank killed by SIGKILL, a rank
+frozen by SIGSTOP, a rank whose stage never returns, a port already taken. Each must end every process of the
+job within a stated bound, with a message naming the rank and what happened, and leave nothing behind.
+
+BOUND_S is the bound the README states; the times measured here are typically far below it (see
+benchmarks/fault_bounds.py). Job start-up (imports, rendezvous) is not counted: the clock starts at the fault.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+import fault_harness as fh
+from pipeoptim.runtime import launch
+from pipeoptim.runtime.plan import ConfigError
+
+BOUND_S = 30.0           # from a rank's death to every process of the job gone
+WATCHDOG_S = 6.0         # the stall timeout these tests give the ranks
+STALL_BOUND_S = WATCHDOG_S + 30.0
+JOB = os.path.join(fh.TESTS, "fault_jobs.py")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    yield
+    fh.cleanup()
+
+
+def _start_launch_job(tmp_path, nprocs, *extra):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    job = fh.Job([sys.executable, JOB, "launch", str(nprocs), str(markers), *extra], str(tmp_path))
+    for r in range(nprocs):
+        fh.wait_for(str(markers / f"running.{r}"), job)
+    return job
+
+
+def test_sigkilled_rank_under_launch_ends_the_job_naming_it(tmp_path):
+    job = _start_launch_job(tmp_path, 3)
+    t0 = time.monotonic()
+    os.kill(fh.rank_pid(job, 1), signal.SIGKILL)
+    code = job.wait(BOUND_S + 30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 1, text
+    assert "rank 1 of 3" in text and "killed by SIGKILL" in text, text
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+    assert not fh.shm_left(job.shm_before)
+
+
+def test_frozen_rank_is_named_by_the_watchdog(tmp_path):
+    job = _start_launch_job(tmp_path, 3, "--watchdog", str(WATCHDOG_S))
+    t0 = time.monotonic()
+    os.kill(fh.rank_pid(job, 1), signal.SIGSTOP)
+    code = job.wait(STALL_BOUND_S + 30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 1, text
+    assert "rank 1 (pid" in text and "stopped responding" in text, text
+    assert "from rank 1" in text, text  # what the rank that noticed was waiting for
+    assert WATCHDOG_S < gone < STALL_BOUND_S, f"{gone:.1f} s to a clean end"
+
+
+def test_stage_that_never_returns_is_named_with_its_action(tmp_path):
+    """A peer that never posts its send: its process is alive (heartbeats go on) but its forward hangs."""
+    job = _start_launch_job(tmp_path, 3, "--watchdog", str(WATCHDOG_S), "--hang-rank", "2")
+    t0 = time.monotonic()
+    code = job.wait(STALL_BOUND_S + 60)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 1, text
+    assert "rank 2 (pid" in text and "running F" in text and "s2 for" in text, text
+    assert "without waiting for any other rank" in text, text
+    assert gone < STALL_BOUND_S + 30, f"{gone:.1f} s to a clean end"
+
+
+def test_sigkilled_rank_under_torchrun_ends_the_job(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    job = fh.Job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", JOB,
+                  "torchrun", str(markers)], str(tmp_path))
+    for r in range(2):
+        fh.wait_for(str(markers / f"running.{r}"), job)
+    t0 = time.monotonic()
+    os.kill(fh.rank_pid(job, 1), signal.SIGKILL)
+    code = job.wait(BOUND_S + 60)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code != 0, text
+    cause = text[text.index("Root Cause"):]  # torchrun's own report names the rank the signal killed
+    assert "rank      : 1" in cause and "Signal 9 (SIGKILL)" in cause, text
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+
+
+def _never_runs():
+    raise AssertionError("no worker may start when the port is taken")
+
+
+def test_port_in_use_is_a_clear_error_before_any_process_starts():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=f"port {port} on this machine is already in use"):
+            launch(_never_runs, 2, port=port)
+        assert time.monotonic() - t0 < 5
