@@ -12,6 +12,10 @@ end with every window, but the last gradient (prediction rules that read it: SGD
 Nesterov, RMSprop without momentum, Adagrad, NAdam), SpecTrain's own gradient average and the binding's step
 count (torch keeps none for SGD) carry over; without them a resumed run's first predictions differ from the
 uninterrupted run's. Checkpoints written before policy state was saved still load (the policy starts fresh).
+
+Persistent buffers (BatchNorm's running statistics) travel too, by global name. Loading maps each part into
+memory (``torch.load(mmap=True)``) and copies only this process's own entries, so a rank of a large, meta-built
+pipeline reads its share of the checkpoint, never the whole model.
 """
 from __future__ import annotations
 
@@ -41,14 +45,25 @@ def _masters(st) -> dict[str, torch.Tensor]:
     return out
 
 
+def _buffers(st) -> dict[str, torch.Tensor]:
+    """Persistent buffers by global name (modules that know their layers' global names only)."""
+    global_name = getattr(st.module, "global_name", None)
+    if global_name is None:
+        return {}
+    params = {n for n, _ in st.module.named_parameters()}
+    return {global_name(n): t for n, t in st.module.state_dict(keep_vars=True).items() if n not in params}
+
+
 def pipeline_state(pipe) -> dict:
-    params, opt_state, groups, sched, pol_state = {}, {}, None, None, {}
+    params, opt_state, groups, sched, pol_state, buffers = {}, {}, None, None, {}, {}
     for w in pipe.workers:
         for c, st in w.stages.items():
             if c.replica != 0:
                 continue
             for name, t in _masters(st).items():
                 params[name] = t.detach().float().cpu().clone()
+            for name, t in _buffers(st).items():
+                buffers[name] = t.detach().cpu().clone()
             sd = st.optimizer.state_dict()
             order = _param_order(st)
             for i, name in enumerate(order):
@@ -62,7 +77,7 @@ def pipeline_state(pipe) -> dict:
             for local, entry in st.policy.state_dict()["params"].items():
                 pol_state[st.names[local]] = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in entry.items()}
     return {"params": params, "opt_state": opt_state, "groups": groups, "scheduler": sched,
-            "step_count": pipe.step_count, "policy_state": pol_state}
+            "step_count": pipe.step_count, "policy_state": pol_state, "buffers": buffers}
 
 
 def _rank() -> int:
@@ -92,10 +107,14 @@ def load(pipe, directory: str) -> dict:
     parts = sorted(glob.glob(os.path.join(directory, "part-*.pt")))
     if not parts:
         raise FileNotFoundError(f"no checkpoint parts (part-*.pt) in {directory}; save one with Pipeline.save")
-    params, opt_state, groups, sched, steps, pol_state = {}, {}, None, None, 0, {}
+    params, opt_state, groups, sched, steps, pol_state, buffers = {}, {}, None, None, 0, {}, {}
     for path in parts:
-        part = torch.load(path, weights_only=False)
+        try:  # mapped, not read: only the entries this process copies below are paged in
+            part = torch.load(path, weights_only=False, mmap=True)
+        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+            part = torch.load(path, weights_only=False)
         params.update(part["params"])
+        buffers.update(part.get("buffers", {}))
         opt_state.update(part["opt_state"])
         pol_state.update(part.get("policy_state", {}))
         groups = groups or part["groups"]
@@ -115,9 +134,12 @@ def load(pipe, directory: str) -> dict:
                     p.copy_(value.to(p.dtype))
                     if n in local and local[n] is not p:
                         local[n].copy_(value.to(local[n].dtype))
+                for name, t in _buffers(st).items():
+                    if name in buffers:
+                        t.copy_(buffers[name].to(t.dtype))
             sd = st.optimizer.state_dict()
-            sd["state"] = {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt_state[n].items()}
-                           for i, n in enumerate(order) if n in opt_state}
+            # no clone: the flat binding copies loaded state into its own buffers (its load hook)
+            sd["state"] = {i: dict(opt_state[n]) for i, n in enumerate(order) if n in opt_state}
             if groups is not None and len(groups) == len(sd["param_groups"]):
                 for g, saved in zip(sd["param_groups"], groups):
                     g.update({k: v for k, v in saved.items() if k != "params"})
