@@ -12,8 +12,13 @@ written as soon as it finishes (a timeout keeps what finished). Per stage: param
 and prediction-buffer bytes (from the flat buffers themselves), the process's peak RSS (and on CUDA the peak
 allocated GPU memory), build time (meta model -> materialised, initialised, bound stages), the median time of an
 async-1f1b schedule window (``train_step``: N micro-batches through the 4 stages, one optimizer step per
-micro-batch per stage) and one prediction pass over the stage's weights. When both policies ran, a ``share`` row
-gives the prediction's share of the window: (t_pipeoptim - t_none) / t_pipeoptim, measured side by side.
+micro-batch per stage) and one prediction pass over the stage's weights.
+
+The prediction's share of a window is measured inside the ``pipeoptim`` run, side by side: timed windows
+alternate between prediction on and off (off: forwards read the current weights and the optimizer steps with
+torch's own fused AdamW, exactly what policy ``none`` does), so both medians come from the same process, memory
+and machine load; share = (t_on - t_off) / t_on. When the ``none`` policy also ran, a ``share`` row sets its
+window (a separate process, run after) beside them as a cross-check.
 
 Both policies step with the same ``torch.optim.AdamW(fused=True)``; ``pipeoptim`` replaces its step by the fused
 step+predict kernel. Data: the stdlib byte corpus (pipeoptim.data); nothing is downloaded; no transformers needed.
@@ -39,8 +44,8 @@ STAGES = 4
 FIELDS = ["kind", "mode", "device", "precision", "policy", "model_params", "d_model", "n_layers", "seq_len",
           "microbatches", "microbatch_size", "rank", "stage", "stage_params", "param_bytes", "grad_bytes",
           "optim_bytes", "pred_bytes", "state_bytes", "state_frac_of_model", "peak_rss_mib", "peak_gpu_mib",
-          "build_s", "window_s", "window_s_all", "tokens_per_window", "predict_pass_ms", "window_s_none",
-          "window_s_pipeoptim", "prediction_share", "note"]
+          "build_s", "window_s", "window_s_all", "window_s_without_prediction", "window_s_without_all",
+          "tokens_per_window", "predict_pass_ms", "window_s_none", "prediction_share", "note"]
 
 
 def model_config(args):
@@ -111,6 +116,21 @@ def predict_pass_ms(st, device: str) -> float | None:
     return 1e3 * best
 
 
+def set_prediction(pipe, on: bool) -> None:
+    """Prediction on (the pipeoptim policy as built) or off (forwards read the real weights, the optimizer takes
+    its own step: what policy 'none' does) for every stage of this process."""
+    for w in pipe.workers:
+        for st in w.stages.values():
+            predictor = getattr(st.policy, "predictor", None)
+            if predictor is None:
+                continue
+            st.policy.fused = on
+            if on:
+                predictor.__dict__.pop("active", None)
+            else:
+                predictor.active = lambda s: False
+
+
 def measure(cfg: dict) -> list[dict]:
     """Runs in a fresh process (one per rank in 'processes' mode): build, train, report this process's stages."""
     import torch
@@ -140,15 +160,23 @@ def measure(cfg: dict) -> list[dict]:
     corpus = stdlib_corpus(max_bytes=1 << 20)
     gen = torch.Generator().manual_seed(0)
     B = cfg["microbatches"] * cfg["microbatch_size"]
-    times = []
-    for i in range(cfg["warmup"] + cfg["steps"]):
+    ab = cfg["policy"] == "pipeoptim"
+    times, times_off = [], []
+    plan = [True] * cfg["warmup"]  # timed windows alternate on/off (on first, then off first, ...)
+    for i in range(cfg["steps"]):
+        plan += [True, False][::1 if i % 2 == 0 else -1] if ab else [True]
+    for i, on in enumerate(plan):
         batch = corpus.batch("train", B, mcfg.seq_len, gen)
+        if ab:
+            set_prediction(pipe, on)
         _sync(device)
         t1 = time.perf_counter()
         loss = pipe.train_step(batch)
         _sync(device)
         if i >= cfg["warmup"]:
-            times.append(time.perf_counter() - t1)
+            (times if on else times_off).append(time.perf_counter() - t1)
+    if ab:
+        set_prediction(pipe, True)
     if not math.isfinite(loss):
         raise RuntimeError(f"the loss is {loss}: the measurement trained on garbage")
     rank = "all" if emulate else str(int(os.environ.get("RANK", "0")))
@@ -163,6 +191,10 @@ def measure(cfg: dict) -> list[dict]:
                          "peak_gpu_mib": round(peak_gpu, 1) if peak_gpu != "" else "", "build_s": round(build_s, 3),
                          "window_s": round(statistics.median(times), 4),
                          "window_s_all": " ".join(f"{t:.4f}" for t in times),
+                         **({"window_s_without_prediction": round(statistics.median(times_off), 4),
+                             "window_s_without_all": " ".join(f"{t:.4f}" for t in times_off),
+                             "prediction_share": round(1 - statistics.median(times_off) / statistics.median(times), 4)}
+                            if ab else {}),
                          "tokens_per_window": B * mcfg.seq_len,
                          "predict_pass_ms": "" if pass_ms is None else round(pass_ms, 3),
                          "note": f"final loss {loss:.4f}"})
@@ -177,9 +209,9 @@ def run_measurement(args, mode: str, policy: str, mcfg) -> list[dict]:
                                           "d_model": mcfg.d_model, "n_heads": mcfg.n_heads, "n_layers": mcfg.n_layers}}
     cores = os.cpu_count() or 1
     if mode == "emulate":
-        parts = launch(measure, 1, cfg, timeout_s=args.timeout_s, threads=cores)
+        parts = launch(measure, 1, cfg, timeout_s=args.timeout_s, threads=args.threads or cores)
     else:
-        parts = launch(measure, STAGES, cfg, timeout_s=args.timeout_s, threads=max(1, cores // STAGES))
+        parts = launch(measure, STAGES, cfg, timeout_s=args.timeout_s, threads=args.threads or max(1, cores // STAGES))
     rows = [row for part in parts for row in part]
     whole = sum(r["state_bytes"] for r in rows)
     common = {"mode": mode, "device": args.device, "precision": args.precision, "policy": policy,
@@ -191,16 +223,21 @@ def run_measurement(args, mode: str, policy: str, mcfg) -> list[dict]:
 
 
 def share_row(rows: list[dict], mode: str, args, mcfg) -> dict | None:
+    """The pipeoptim run's windows with and without prediction (slowest rank), and policy none's beside them."""
     stages = [r for r in rows if r["kind"] == "stage" and r["mode"] == mode]
-    window = {r["policy"]: max(x["window_s"] for x in stages if x["policy"] == r["policy"]) for r in stages}
-    if "pipeoptim" not in window or "none" not in window:
+    mine = [r for r in stages if r["policy"] == "pipeoptim"]
+    if not mine:
         return None
-    t_p, t_n = window["pipeoptim"], window["none"]
-    return {"kind": "share", "mode": mode, "device": args.device, "precision": args.precision,
+    t_on = max(r["window_s"] for r in mine)
+    t_off = max(r["window_s_without_prediction"] for r in mine)
+    none = [r["window_s"] for r in stages if r["policy"] == "none"]
+    return {"kind": "share", "mode": mode, "device": args.device, "precision": args.precision, "policy": "pipeoptim",
             "model_params": count_params(mcfg), "d_model": mcfg.d_model, "n_layers": mcfg.n_layers,
             "seq_len": mcfg.seq_len, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
-            "window_s_pipeoptim": t_p, "window_s_none": t_n, "prediction_share": round((t_p - t_n) / t_p, 4),
-            "note": "(t_pipeoptim - t_none) / t_pipeoptim; windows timed in separate processes, one after the other"}
+            "window_s": t_on, "window_s_without_prediction": t_off, "prediction_share": round(1 - t_off / t_on, 4),
+            "window_s_none": max(none) if none else "",
+            "note": "share = 1 - t_without / t_with, windows alternating in one process; window_s_none: policy none "
+                    "in its own process (a cross-check)"}
 
 
 def parse(argv=None):
@@ -212,20 +249,26 @@ def parse(argv=None):
     p.add_argument("--params", type=float, default=1e9, help="target parameter count (default 1e9)")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 on cpu, 256 on cuda)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per schedule window (default 4)")
-    p.add_argument("--microbatch-size", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=1, help="untimed windows first (default 1)")
-    p.add_argument("--steps", type=int, default=2, help="timed windows (default 2)")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="sequences per micro-batch (default: 1 on cpu, 4 on cuda)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed windows first (default: 1 on cpu, 2 on cuda)")
+    p.add_argument("--steps", type=int, default=None, help="timed windows (default: 2 on cpu, 5 on cuda)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
                    help="fp32, or bf16 working weights over fp32 masters (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--csv", default=None, help="CSV file the rows are appended to as they finish")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per measurement (default 3600)")
     p.add_argument("--quick", action="store_true", help="a tiny model and one timed window: checks the script")
     p.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds what is free")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: all cores emulated, cores/4 per process otherwise)")
     args = p.parse_args(argv)
-    if args.precision is None:
-        args.precision = "bf16" if args.device == "cuda" else "fp32"
+    cuda = args.device == "cuda"
+    for name, on_cpu, on_cuda in (("precision", "fp32", "bf16"), ("seq_len", 64, 256), ("microbatch_size", 1, 4),
+                                  ("warmup", 1, 2), ("steps", 2, 5)):
+        if getattr(args, name) is None:
+            setattr(args, name, on_cuda if cuda else on_cpu)
     if args.quick:
         args.params, args.d_model, args.heads, args.seq_len = 2e5, 64, 4, 32
         args.warmup, args.steps, args.microbatch_size = 1, 1, 2
