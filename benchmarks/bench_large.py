@@ -14,11 +14,18 @@ allocated GPU memory), build time (meta model -> materialised, initialised, boun
 async-1f1b schedule window (``train_step``: N micro-batches through the 4 stages, one optimizer step per
 micro-batch per stage) and one prediction pass over the stage's weights.
 
-The prediction's share of a window is measured inside the ``pipeoptim`` run, side by side: timed windows
-alternate between prediction on and off (off: forwards read the current weights and the optimizer steps with
-torch's own fused AdamW, exactly what policy ``none`` does), so both medians come from the same process, memory
-and machine load; share = (t_on - t_off) / t_on. When the ``none`` policy also ran, a ``share`` row sets its
-window (a separate process, run after) beside them as a cross-check.
+The prediction's share of a window is measured inside the ``pipeoptim`` run, two ways:
+- side by side: timed windows alternate between prediction on and off (off: forwards read the current weights
+  and the optimizer steps with torch's own fused AdamW, exactly what policy ``none`` does), so both medians come
+  from the same process, memory and machine load; share = (t_on - t_off) / t_on;
+- by its parts, inside the windows with prediction on: the time of every separate prediction pass plus, for
+  steps fused with the next prediction, the fused call's time minus the stage's median plain optimizer step
+  (timed in the windows without prediction); share = that sum / the window. It is steadier than the difference
+  of two whole windows when the machine is shared.
+When the ``none`` policy also ran, a ``share`` row sets its window (a separate process, run after) beside them.
+
+The model has a multiple of 4 decoder blocks and the stages are cut by parameter count, so each stage holds a
+quarter of the blocks (the first also the embedding, the last the head).
 
 Both policies step with the same ``torch.optim.AdamW(fused=True)``; ``pipeoptim`` replaces its step by the fused
 step+predict kernel. Data: the stdlib byte corpus (pipeoptim.data); nothing is downloaded; no transformers needed.
@@ -45,12 +52,13 @@ FIELDS = ["kind", "mode", "device", "precision", "policy", "model_params", "d_mo
           "microbatches", "microbatch_size", "rank", "stage", "stage_params", "param_bytes", "grad_bytes",
           "optim_bytes", "pred_bytes", "state_bytes", "state_frac_of_model", "peak_rss_mib", "peak_gpu_mib",
           "build_s", "window_s", "window_s_all", "window_s_without_prediction", "window_s_without_all",
-          "tokens_per_window", "predict_pass_ms", "window_s_none", "prediction_share", "note"]
+          "tokens_per_window", "predict_pass_ms", "prediction_s_per_window", "separate_predictions",
+          "fused_steps", "window_s_none", "prediction_share", "prediction_share_by_parts", "note"]
 
 
 def model_config(args):
     from pipeoptim.models import GPTConfig
-    layers = max(STAGES - 2, round(args.params / (12 * args.d_model ** 2)))
+    layers = STAGES * max(1, round(args.params / (12 * args.d_model ** 2) / STAGES))
     return GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.heads,
                      n_layers=layers)
 
@@ -131,6 +139,55 @@ def set_prediction(pipe, on: bool) -> None:
                 predictor.active = lambda s: False
 
 
+class PredictionClock:
+    """Times the prediction work of this process's stages inside the windows: separate prediction passes, fused
+    step+predict calls, and plain optimizer steps (the baseline a fused call is charged against)."""
+
+    def __init__(self, pipe, device: str):
+        self.device, self.on = device, True
+        self.calls: dict = {}  # (stage, kind, on) -> [seconds]
+        for w in pipe.workers:
+            for st in w.stages.values():
+                predictor = getattr(st.policy, "predictor", None)
+                if predictor is None:
+                    continue
+                stage = st.chunk.stage
+                predictor._predict_into = self._timed(predictor._predict_into, stage, "predict")
+                predictor.step_predict = self._timed(predictor.step_predict, stage, "fused")
+                st.optimizer.step = self._timed(st.optimizer.step, stage, "step")
+
+    def _timed(self, fn, stage: int, kind: str):
+        def run(*args, **kwargs):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            _sync(self.device)
+            self.calls.setdefault((stage, kind, self.on), []).append(time.perf_counter() - t0)
+            return out
+        return run
+
+    def take(self) -> dict:
+        """The records of the window just run (prediction on), cleared; plain steps of windows without
+        prediction stay, as the baseline."""
+        out = {(stage, kind): times for (stage, kind, on), times in self.calls.items() if on}
+        self.calls = {k: v for k, v in self.calls.items() if not k[2]}
+        return out
+
+    def prediction(self, records: dict) -> dict:
+        """Seconds of prediction work in one window's records: separate passes, plus each fused step+predict
+        minus the stage's median plain step."""
+        total, separate, fused = 0.0, 0, 0
+        for (stage, kind), times in records.items():
+            if kind == "predict":
+                total += sum(times)
+                separate += len(times)
+            elif kind == "fused":
+                plain = self.calls.get((stage, "step", False))
+                total += sum(times) - (statistics.median(plain) if plain else 0.0) * len(times)
+                fused += len(times)
+        return {"seconds": total, "separate": separate, "fused": fused}
+
+
 def measure(cfg: dict) -> list[dict]:
     """Runs in a fresh process (one per rank in 'processes' mode): build, train, report this process's stages."""
     import torch
@@ -138,6 +195,7 @@ def measure(cfg: dict) -> list[dict]:
     from pipeoptim.data import stdlib_corpus
     from pipeoptim.models import GPTConfig, gpt_init_fn, gpt_layers
     from pipeoptim.models.gpt import lm_loss
+    from pipeoptim.partition import balance_by_cost
     from pipeoptim.train import Pipeline
 
     emulate, device = cfg["mode"] == "emulate", cfg["device"]
@@ -151,7 +209,9 @@ def measure(cfg: dict) -> list[dict]:
         init_from_env(device)
         dist.barrier()
     t0 = time.perf_counter()
-    pipe = Pipeline(gpt_layers(mcfg, device="meta"), init_fn=gpt_init_fn(mcfg), loss_fn=lm_loss, seed=0,
+    layers = gpt_layers(mcfg, device="meta")
+    balance = balance_by_cost([sum(p.numel() for p in layer.parameters()) for layer in layers], STAGES)
+    pipe = Pipeline(layers, balance=balance, init_fn=gpt_init_fn(mcfg), loss_fn=lm_loss, seed=0,
                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, fused=True),
                     devices=STAGES, schedule="async-1f1b", policy=cfg["policy"], microbatches=cfg["microbatches"],
                     precision=cfg["precision"], emulate=emulate, device=device)
@@ -161,7 +221,8 @@ def measure(cfg: dict) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     B = cfg["microbatches"] * cfg["microbatch_size"]
     ab = cfg["policy"] == "pipeoptim"
-    times, times_off = [], []
+    clock = PredictionClock(pipe, device) if ab else None
+    times, times_off, parts = [], [], []
     plan = [True] * cfg["warmup"]  # timed windows alternate on/off (on first, then off first, ...)
     for i in range(cfg["steps"]):
         plan += [True, False][::1 if i % 2 == 0 else -1] if ab else [True]
@@ -169,14 +230,21 @@ def measure(cfg: dict) -> list[dict]:
         batch = corpus.batch("train", B, mcfg.seq_len, gen)
         if ab:
             set_prediction(pipe, on)
+            clock.on = on
         _sync(device)
         t1 = time.perf_counter()
         loss = pipe.train_step(batch)
         _sync(device)
+        dt = time.perf_counter() - t1
         if i >= cfg["warmup"]:
-            (times if on else times_off).append(time.perf_counter() - t1)
+            (times if on else times_off).append(dt)
+        if ab and on:
+            records = clock.take()
+            if i >= cfg["warmup"]:
+                parts.append((records, dt))
     if ab:
         set_prediction(pipe, True)
+        parts = [(clock.prediction(records), dt) for records, dt in parts]  # against every plain step timed
     if not math.isfinite(loss):
         raise RuntimeError(f"the loss is {loss}: the measurement trained on garbage")
     rank = "all" if emulate else str(int(os.environ.get("RANK", "0")))
@@ -193,7 +261,10 @@ def measure(cfg: dict) -> list[dict]:
                          "window_s_all": " ".join(f"{t:.4f}" for t in times),
                          **({"window_s_without_prediction": round(statistics.median(times_off), 4),
                              "window_s_without_all": " ".join(f"{t:.4f}" for t in times_off),
-                             "prediction_share": round(1 - statistics.median(times_off) / statistics.median(times), 4)}
+                             "prediction_share": round(1 - statistics.median(times_off) / statistics.median(times), 4),
+                             "prediction_s_per_window": round(statistics.mean(p["seconds"] for p, _ in parts), 4),
+                             "separate_predictions": parts[-1][0]["separate"], "fused_steps": parts[-1][0]["fused"],
+                             "prediction_share_by_parts": round(statistics.mean(p["seconds"] / t for p, t in parts), 4)}
                             if ab else {}),
                          "tokens_per_window": B * mcfg.seq_len,
                          "predict_pass_ms": "" if pass_ms is None else round(pass_ms, 3),
@@ -230,14 +301,17 @@ def share_row(rows: list[dict], mode: str, args, mcfg) -> dict | None:
         return None
     t_on = max(r["window_s"] for r in mine)
     t_off = max(r["window_s_without_prediction"] for r in mine)
+    # the prediction work of all stages: in one process (emulated) every stage row carries the process's total;
+    # across processes the ranks predict at the same time, so the slowest rank's work is what the window waits on
+    by_parts = max(r["prediction_share_by_parts"] for r in mine)
     none = [r["window_s"] for r in stages if r["policy"] == "none"]
     return {"kind": "share", "mode": mode, "device": args.device, "precision": args.precision, "policy": "pipeoptim",
             "model_params": count_params(mcfg), "d_model": mcfg.d_model, "n_layers": mcfg.n_layers,
             "seq_len": mcfg.seq_len, "microbatches": args.microbatches, "microbatch_size": args.microbatch_size,
             "window_s": t_on, "window_s_without_prediction": t_off, "prediction_share": round(1 - t_off / t_on, 4),
-            "window_s_none": max(none) if none else "",
-            "note": "share = 1 - t_without / t_with, windows alternating in one process; window_s_none: policy none "
-                    "in its own process (a cross-check)"}
+            "prediction_share_by_parts": by_parts, "window_s_none": max(none) if none else "",
+            "note": "prediction_share = 1 - t_without / t_with, windows alternating in one process; by_parts: the "
+                    "prediction's own time inside the windows; window_s_none: policy none in its own process"}
 
 
 def parse(argv=None):
@@ -250,7 +324,9 @@ def parse(argv=None):
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 64 on cpu, 256 on cuda)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per schedule window (default 4)")
+    p.add_argument("--microbatches", type=int, default=8,
+                   help="micro-batches per schedule window (default 8 = 2 x stages: a steady state between fill and "
+                        "drain, where steps fuse with the next prediction)")
     p.add_argument("--microbatch-size", type=int, default=None,
                    help="sequences per micro-batch (default: 1 on cpu, 4 on cuda)")
     p.add_argument("--warmup", type=int, default=None, help="untimed windows first (default: 1 on cpu, 2 on cuda)")

@@ -48,8 +48,6 @@ from .schedules.actions import Chunk
 __all__ = ["Pipeline", "StageModule"]
 
 
-
-
 def emulated_device(device) -> torch.device:
     """The one device an emulated pipeline runs every stage on; asking for a GPU that is not there is an error,
     never a silent CPU run."""

@@ -44,9 +44,20 @@ def test_quick_emulated_run_writes_stage_rows_and_the_share(tmp_path):
         assert sum(fracs) == pytest.approx(1.0, abs=1e-3)
     for x in stages:  # the pipeoptim run timed windows with and without prediction, alternating
         assert (x["window_s_without_prediction"] != "") == (x["policy"] == "pipeoptim")
+    # every forward that predicts (s > 0) was counted once: a separate pass or fused with the step before it
+    from pipeoptim.runtime.config import make_schedule
+    from pipeoptim.runtime.plan import Plan
+    from pipeoptim.schedules.actions import Forward
+    plan = Plan(make_schedule("async-1f1b", 4, int(stages[0]["microbatches"])))
+    predicting = sum(1 for row in plan.actions for a in row if isinstance(a, Forward) and plan.s_forward(a) > 0)
+    for x in stages:
+        if x["policy"] == "pipeoptim":
+            assert int(x["separate_predictions"]) + int(x["fused_steps"]) == predicting > 0
+            assert 0 < float(x["prediction_s_per_window"]) < float(x["window_s"])
     (share,) = [x for x in rows if x["kind"] == "share"]
     t_on, t_off = float(share["window_s"]), float(share["window_s_without_prediction"])
     assert float(share["prediction_share"]) == pytest.approx(1 - t_off / t_on, abs=1e-3)
+    assert 0 < float(share["prediction_share_by_parts"]) < 1
     assert float(share["window_s_none"]) > 0
 
 
