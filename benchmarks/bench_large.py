@@ -319,7 +319,8 @@ def parse(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--mode", choices=("emulate", "processes", "both"), default="emulate",
                    help="emulate: all stages in one process on --device; processes: 4 processes on gloo (CPU)")
-    p.add_argument("--policies", default="pipeoptim,none", help="comma-separated weight policies (default pipeoptim,none)")
+    p.add_argument("--policies", default="pipeoptim,none",
+                   help="comma-separated weight policies (default pipeoptim,none)")
     p.add_argument("--params", type=float, default=1e9, help="target parameter count (default 1e9)")
     p.add_argument("--d-model", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)

@@ -72,7 +72,8 @@ def _config(args) -> dict:
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if found < (1 if args.emulate else args.stages):
             from .runtime.plan import ConfigError
-            need = "a GPU (--emulate runs every stage on one)" if args.emulate else f"{args.stages} GPUs (one per stage)"
+            need = ("a GPU (--emulate runs every stage on one)" if args.emulate
+                    else f"{args.stages} GPUs (one per stage)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
     if args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
@@ -119,7 +120,8 @@ def train_worker(cfg: dict) -> dict:
         mcfg = GPTConfig(seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
                          n_layers=cfg["n_layers"])
         model_kw = dict(layers=gpt_layers(mcfg, seed=cfg["seed"]), loss_fn=lm_loss)
-    pipe = Pipeline(optimizer=_optimizer(cfg), lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)  # noqa: E731
+    pipe = Pipeline(optimizer=_optimizer(cfg), lr_scheduler=schedule,
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], **model_kw)
@@ -210,7 +212,8 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     ax.plot([h["step"] for h in history], [h["loss"] for h in history])
     ax.set_xlabel("schedule window (train_step)")
     ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title(f"{cfg['model']}{'' if cfg['model'].startswith('hf-') else ' GPT'}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
+    model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
+    ax.set_title(f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "loss.png"), dpi=100)
     plt.close(fig)
