@@ -88,7 +88,7 @@ def test_meta_built_resnet_equals_the_normal_build_initialised_the_same_way(one_
         assert torch.equal(got[k], v), k
     conv = got["0.0.weight"]  # torchvision's scheme: Kaiming normal, fan-out, ReLU gain
     fan_out = conv.shape[0] * conv.shape[2] * conv.shape[3]
-    assert float(conv.std()) == pytest.approx((2 / fan_out) ** 0.5, rel=0.1)
+    assert float(conv.detach().std()) == pytest.approx((2 / fan_out) ** 0.5, rel=0.1)
 
 
 def test_balance_by_time_on_resnet_layers(one_thread):
