@@ -156,37 +156,39 @@ def test_async_pipeoptim_trains_gpt2_on_the_stdlib_text(one_thread):
 
 
 # ---- 4 real processes ---------------------------------------------------------------------------------------
-def _rank_job(kind: str, seed: int):
-    rec = mc.GradRecorder()
-    cut = causal_lm_layers(build(kind, meta=True))
-    pipe = Pipeline(cut.layers, loss_fn=cut.loss_fn, optimizer=rec, schedule="1f1b", microbatches=N,
-                    tied=cut.tied, init_fn=cut.init_fn, seed=seed)
-    start = {k: v.detach().clone() for k, v in pipe.named_parameters().items()}
-    loss = pipe.train_step(batch(0))
-    return {"loss": loss, "start": start, "grads": rec.by_name(pipe)}
+def _rank_job(kinds, seed: int):
+    out = {}
+    for kind in kinds:
+        rec = mc.GradRecorder()
+        cut = causal_lm_layers(build(kind, meta=True))
+        pipe = Pipeline(cut.layers, loss_fn=cut.loss_fn, optimizer=rec, schedule="1f1b", microbatches=N,
+                        tied=cut.tied, init_fn=cut.init_fn, seed=seed)
+        start = {k: v.detach().clone() for k, v in pipe.named_parameters().items()}
+        loss = pipe.train_step(batch(0))
+        out[kind] = {"loss": loss, "start": start, "grads": rec.by_name(pipe)}
+    return out
 
 
 @pytest.mark.slow
 def test_four_processes_give_the_unsplit_models_loss_and_gradients():
-    kind, seed = "gpt2", 5
-    results = launch(_rank_job, 4, kind, seed, timeout_s=120)
-    model = build(kind)
-    cut = causal_lm_layers(model)
-    for i, layer in enumerate(cut.layers):
-        initialize(layer, str(i), seed, cut.init_fn)
-    names = {f"{i}.{n}": None for i, layer in enumerate(cut.layers) for n, _ in layer.named_parameters()}
-    by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    for i, layer in enumerate(cut.layers):
-        for n, p in layer.named_parameters():
-            names[f"{i}.{n}"] = by_id.get(id(p), "lm_head.weight")
-    start, grads = {}, {}
-    for r in results:
-        start.update(r["start"])
-        grads.update(r["grads"])
-    model_params = dict(model.named_parameters(remove_duplicate=False))
-    for g, m in names.items():  # each rank built only its own stage, to the same bits as one process
-        assert torch.equal(start[g], model_params[m].detach()), g
-    inputs, labels = batch(0)
-    want_loss, want = mc.reference_grads(model, model_loss, micro_batches(inputs, labels))
-    assert all(r["loss"] == pytest.approx(want_loss, rel=1e-5) for r in results)
-    mc.assert_grads_match(grads, want, names)
+    kinds, seed = ("gpt2", "llama"), 5
+    results = launch(_rank_job, 4, kinds, seed, timeout_s=180)
+    for kind in kinds:
+        model = build(kind)
+        cut = causal_lm_layers(model)
+        for i, layer in enumerate(cut.layers):
+            initialize(layer, str(i), seed, cut.init_fn)
+        by_id = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names = {f"{i}.{n}": by_id.get(id(p), "lm_head.weight")  # the untied head copy <- the tied lm_head
+                 for i, layer in enumerate(cut.layers) for n, p in layer.named_parameters()}
+        start, grads = {}, {}
+        for r in results:
+            start.update(r[kind]["start"])
+            grads.update(r[kind]["grads"])
+        model_params = dict(model.named_parameters(remove_duplicate=False))
+        for g, m in names.items():  # each rank built only its own stage, to the same bits as one process
+            assert torch.equal(start[g], model_params[m].detach()), (kind, g)
+        inputs, labels = batch(0)
+        want_loss, want = mc.reference_grads(model, model_loss, micro_batches(inputs, labels))
+        assert all(r[kind]["loss"] == pytest.approx(want_loss, rel=1e-5) for r in results), kind
+        mc.assert_grads_match(grads, want, names)
