@@ -3,7 +3,10 @@
 The default is the project's showcase: 4 pipeline stages as 4 local processes on CPU (gloo), asynchronous
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
-``--emulate`` runs the same schedule in one process; ``--device cuda`` uses NCCL, one GPU per stage.
+``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
+per stage. ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
+init, nothing downloaded) on the meta device, each rank materialising only its own stages
+(``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
@@ -29,6 +32,8 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
     "tiny": (32, 2, 2, 32),
     "small": (64, 4, 4, 64),
     "medium": (128, 4, 6, 128),
+    "hf-gpt2": (64, 4, 4, 64),   # transformers.GPT2LMHeadModel, meta-built
+    "hf-llama": (64, 4, 4, 64),  # transformers.LlamaForCausalLM, meta-built
 }
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop")
 NONFINITE_EXIT = 3
@@ -38,7 +43,9 @@ RESUME_MUST_MATCH = ("model", "optimizer", "precision")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", choices=SIZES, default="small", help="model size (default: small, 0.2M params)")
+    p.add_argument("--model", choices=SIZES, default="small",
+                   help="tiny, small (default, 0.2M params), medium: the project's GPT; hf-gpt2, hf-llama: Hugging "
+                        "Face models of the small size from configs (needs pip install 'pipeoptim[hf]')")
     p.add_argument("--stages", type=int, default=4, help="pipeline devices = processes (default 4)")
     p.add_argument("--schedule", default="async-1f1b",
                    help="gpipe, 1f1b, interleaved, chimera, bitpipe, async-1f1b, 2bw (default async-1f1b)")
@@ -117,10 +124,19 @@ def _config(args) -> dict:
                           "layers; use a bigger --model or fewer --stages")
     if args.device == "cuda":
         import torch
-        if not torch.cuda.is_available() or torch.cuda.device_count() < (1 if args.emulate else args.stages):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < (1 if args.emulate else args.stages):
             from .runtime.plan import ConfigError
-            raise ConfigError(f"--device cuda needs {args.stages} GPUs (one per stage); found "
-                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}. Use --device cpu")
+            need = ("a GPU (--emulate runs every stage on one)" if args.emulate
+                    else f"{args.stages} GPUs (one per stage)")
+            raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
+    if args.model.startswith("hf-"):
+        from .runtime.plan import ConfigError
+        try:
+            from .models.hf import require_transformers
+            require_transformers()
+        except ImportError as e:
+            raise ConfigError(f"--model {args.model}: {e}") from None
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
     return dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
 
@@ -147,19 +163,23 @@ def train_worker(cfg: dict) -> dict:
     from .train import NonFiniteError, Pipeline
 
     torch.manual_seed(cfg["seed"])
-    mcfg = GPTConfig(seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
-                     n_layers=cfg["n_layers"])
     total_steps = cfg["steps"]
-    windows = cfg["microbatches"]
-    sched_steps = total_steps * (windows if cfg["schedule"] in ("async-1f1b",) else 1)
+    sched_steps = total_steps * _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
     warm = max(1, sched_steps // 20)
     lr_lambda = lambda i: min(1.0, (i + 1) / warm) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(i, sched_steps) / sched_steps)))  # noqa: E731
-    pipe = Pipeline(gpt_layers(mcfg, seed=cfg["seed"]), loss_fn=lm_loss, optimizer=_optimizer(cfg),
-                    lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+    hf = cfg["model"].startswith("hf-")
+    if hf:
+        model_kw = _hf_model(cfg)
+    else:
+        mcfg = GPTConfig(seq_len=cfg["seq_len"], d_model=cfg["d_model"], n_heads=cfg["n_heads"],
+                         n_layers=cfg["n_layers"])
+        model_kw = dict(layers=gpt_layers(mcfg, seed=cfg["seed"]), loss_fn=lm_loss)
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)  # noqa: E731
+    pipe = Pipeline(optimizer=_optimizer(cfg), lr_scheduler=schedule,
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
-                    emulate=cfg["emulate"], device=cfg["device"], on_nonfinite=cfg["on_nonfinite"],
-                    watchdog_s=cfg["watchdog_s"])
+                    emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
+                    watchdog_s=cfg["watchdog_s"], **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = stdlib_corpus(max_bytes=4 << 20)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -188,6 +208,8 @@ def train_worker(cfg: dict) -> dict:
     stopped = None
     for step in range(start, total_steps):
         batch = corpus.batch("train", B, cfg["seq_len"], gen)
+        if hf:  # Hugging Face's loss takes the input ids as labels and shifts them itself
+            batch = (batch[0], batch[0])
         t0 = time.perf_counter()
         try:
             loss = pipe.train_step(batch)
@@ -214,7 +236,8 @@ def train_worker(cfg: dict) -> dict:
     elapsed = time.perf_counter() - t_run
     val = float("nan")
     if not stopped:
-        val = pipe.eval_step(corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234)))
+        val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))
+        val = pipe.eval_step((val_batch[0], val_batch[0]) if hf else val_batch)
     directory = save()
     if rank == 0:
         _write_outputs(run_dir, history, cfg)
@@ -288,6 +311,33 @@ def _run_dir_lock(run_dir: str):
         f.close()
 
 
+def _hf_model(cfg: dict) -> dict:
+    """Pipeline arguments for a Hugging Face model of the configured size, built on meta (no memory: each rank
+    materialises its own stages from the seed)."""
+    import torch
+    import transformers
+
+    from .models.hf import causal_lm_layers
+    from .runtime.config import make_schedule
+    d, h, L, T = cfg["d_model"], cfg["n_heads"], cfg["n_layers"], cfg["seq_len"]
+    common = dict(vocab_size=256, bos_token_id=0, eos_token_id=0)
+    if cfg["model"] == "hf-gpt2":
+        config = transformers.GPT2Config(n_layer=L, n_embd=d, n_head=h, n_positions=T, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=L, hidden_size=d, intermediate_size=4 * d,
+                                          num_attention_heads=h, num_key_value_heads=h, max_position_embeddings=T,
+                                          **common)
+        cls = transformers.LlamaForCausalLM
+    with torch.device("meta"):
+        model = cls(config)
+    cut = causal_lm_layers(model)
+    synchronous = make_schedule(cfg["schedule"], cfg["stages"], cfg["microbatches"]).synchronous
+    return dict(layers=cut.layers, loss_fn=cut.loss_fn, init_fn=cut.init_fn,
+                **({"tied": cut.tied} if synchronous else {"copies": cut.tied}))
+
+
 def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "history.json"), "w") as f:
@@ -303,7 +353,8 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     ax.plot([h["step"] for h in history], [h["loss"] for h in history])
     ax.set_xlabel("schedule window (train_step)")
     ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title(f"{cfg['model']} GPT, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
+    model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
+    ax.set_title(f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "loss.png"), dpi=100)
     plt.close(fig)

@@ -19,13 +19,16 @@ __all__ = ["balance_by_layers", "balance_by_time", "balance_by_cost", "profile_l
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
     from .runtime.plan import ConfigError
     balance = list(balance)
+    even = balance_by_layers(num_layers, num_stages) if num_layers >= num_stages else None
+    fix = f" (e.g. balance={even}, or leave balance out for that even split)" if even else ""
     if len(balance) != num_stages:
         raise ConfigError(f"balance {balance} has {len(balance)} entries but the schedule has {num_stages} stages; "
-                          f"give one layer count per stage")
-    if any(not isinstance(b, int) or b < 1 for b in balance):
-        raise ConfigError(f"balance {balance}: every stage needs at least one layer")
+                          f"give one layer count per stage{fix}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
+        raise ConfigError(f"balance {balance}: every stage needs at least one layer{fix}")
     if sum(balance) != num_layers:
-        raise ConfigError(f"balance {balance} covers {sum(balance)} layers but the model has {num_layers}")
+        raise ConfigError(f"balance {balance} covers {sum(balance)} layers but the model has {num_layers}: the "
+                          f"counts must add up to {num_layers}{fix}")
     return balance
 
 
@@ -63,23 +66,48 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     return out[::-1]
 
 
-def profile_layers(layers: Sequence[nn.Module], sample, repeats: int = 3) -> list[float]:
-    """Seconds of forward+backward per layer on ``sample`` (the first layer's input), best of ``repeats``."""
+def _as_tensors(y, i: int) -> tuple[torch.Tensor, ...]:
+    if isinstance(y, torch.Tensor):
+        return (y,)
+    if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
+        return tuple(y)
+    raise TypeError(f"layer {i} returned {type(y).__name__}; a pipeline layer must return a tensor or a tuple of "
+                    "tensors")
+
+
+def _sync(xs) -> None:
+    if any(t.is_cuda for t in xs):
+        torch.cuda.synchronize()
+
+
+def profile_layers(layers: Sequence[nn.Module], sample, repeats: int = 3, prepare=None) -> list[float]:
+    """Seconds of forward+backward per layer on ``sample`` (the first layer's input: a tensor or a tuple of
+    tensors; a layer returning a tuple feeds the next one's arguments), best of ``repeats``.
+
+    ``prepare(index, layer)`` returns the module to time in the layer's place (e.g. a temporary real copy of
+    a meta-built layer, so a large model is profiled one layer at a time)."""
     costs = []
-    x = sample
-    for layer in layers:
+    xs = _as_tensors(sample, -1) if not isinstance(sample, torch.Tensor) else (sample,)
+    for i, layer in enumerate(layers):
+        run = prepare(i, layer) if prepare is not None else layer
         best = float("inf")
         for _ in range(repeats):
-            inp = x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+            inp = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
+            _sync(inp)
             t0 = time.perf_counter()
-            y = layer(inp)
-            y.float().sum().backward()
+            ys = _as_tensors(run(*inp), i)
+            grads = [y.float().sum() for y in ys if y.requires_grad]
+            if grads:
+                torch.stack(grads).sum().backward()
+            _sync(ys)
             best = min(best, time.perf_counter() - t0)
-        layer.zero_grad(set_to_none=True)
+        run.zero_grad(set_to_none=True)
+        del run
         costs.append(best)
-        x = y.detach()
+        xs = tuple(y.detach() for y in ys)
     return costs
 
 
-def balance_by_time(layers: Sequence[nn.Module], sample, num_stages: int, repeats: int = 3) -> list[int]:
-    return balance_by_cost(profile_layers(layers, sample, repeats), num_stages)
+def balance_by_time(layers: Sequence[nn.Module], sample, num_stages: int, repeats: int = 3,
+                    prepare=None) -> list[int]:
+    return balance_by_cost(profile_layers(layers, sample, repeats, prepare), num_stages)

@@ -6,17 +6,24 @@ name; call ``train_step(batch)`` on every rank.
     loss = pipe.train_step((tokens, targets))      # same value on every rank
 
 - Model: a list/``nn.Sequential`` of layers plus ``balance`` (layers per stage; default even, or
-  ``balance="time"`` to profile and balance with ``sample=``), or ``stages=[module, ...]`` one per stage.
+  ``balance="time"`` to profile and balance with ``sample=``), or ``stages=[module, ...]`` one per stage, or a
+  factory ``stages=lambda stage_index: module`` called only for this process's stages (``model_cut``).
   Parameters get global names (``<layer>.<param>``) that do not depend on the balance, so checkpoints load
   into another balance.
-- ``emulate=True`` runs every device in this process (``runtime.Emulator``); otherwise this process is one
-  rank of a torch.distributed job (torchrun or ``runtime.launch``) and builds only its own chunks.
+- Large models: build the model on the ``meta`` device; each process materialises and initialises only the
+  layers of its own stages, deterministically from ``seed`` and each layer's global name (``init_fn(layer)``
+  or the submodules' ``reset_parameters``; see ``materialize``). Real layers are trained in place, not copied.
+- ``emulate=True`` runs every device in this process (``runtime.Emulator``) on ``device`` ('cpu' or 'cuda':
+  all stages on that one device); otherwise this process is one rank of a torch.distributed job (torchrun
+  or ``runtime.launch``) and builds only its own chunks.
 - The loss is scaled once (``Plan.loss_scale``); ``clip_norm`` clips by the global norm over the pipeline
   (synchronous schedules; per stage for asynchronous ones, see executor); ``precision="bf16"`` runs bf16
   working weights under autocast over fp32 master weights; ``checkpoint_stages`` recomputes activations.
 - ``tied=[("0.tok.weight", "7.lm.weight")]``: parameters held on several stages that are one weight (tied
   embeddings). Copies start from the first name's value; before each step every copy's gradient becomes the
   sum over the copies (synchronous schedules only; see ``runtime.tied``); the global norm counts it once.
+  ``copies=[(source, copy)]``: the copy starts from the source's value and then trains as its own weight
+  (what tied embeddings become under an asynchronous schedule; see ``copies``).
 - ``save(dir)`` / ``load(dir)``: model, optimizer, LR scheduler and policy state per global parameter name,
   written atomically as ``dir/step-<n>/`` with a manifest of hashes; ``load`` takes the newest intact one
   (``runtime.checkpoint``, ``runtime.checkpoint_files``).
@@ -28,7 +35,6 @@ name; call ``train_step(batch)`` on every rank.
 """
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Callable, Sequence
@@ -36,6 +42,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .copies import check_copies, copy_starts
+from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
 from .runtime.config import check_policy, make_schedule, stages_for
@@ -56,47 +64,66 @@ class NonFiniteError(ArithmeticError):
     under ``on_nonfinite="stop"``; the updates with non-finite gradients were not applied."""
 
 
-class StageModule(nn.Module):
-    """Consecutive layers as one stage; a layer returning a tuple feeds the next layer's arguments."""
+def emulated_device(device) -> torch.device:
+    """The one device an emulated pipeline runs every stage on; asking for a GPU that is not there is an error,
+    never a silent CPU run."""
+    try:
+        tdev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
+    if tdev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but no GPU is visible (torch.cuda.is_available() is False); use "
+                              "device='cpu'")
+        if tdev.index is None:
+            tdev = torch.device("cuda", torch.cuda.current_device())
+        if tdev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
+    elif tdev.type != "cpu":
+        raise ConfigError(f"device={device!r}: an emulated pipeline runs on 'cpu' or 'cuda'")
+    return tdev
 
-    def __init__(self, layers: Sequence[nn.Module]):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
 
-    def forward(self, *xs):
-        out = xs
-        for layer in self.layers:
-            out = layer(*out) if isinstance(out, tuple) else layer(out)
-        return out
+def _to(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return tuple(t.to(device) for t in x)
 
 
 class Pipeline:
     def __init__(self, layers: Sequence[nn.Module] | nn.Sequential | None = None, *, loss_fn: Callable,
                  optimizer: Callable[[object], torch.optim.Optimizer], devices: int | None = None,
-                 stages: Sequence[nn.Module] | None = None, balance: Sequence[int] | str | None = None,
-                 sample=None, schedule: str = "1f1b", policy: str | None = None, microbatches: int = 4,
-                 lr_scheduler: Callable | None = None, schedule_options: dict | None = None,
-                 policy_options: dict | None = None, clip_norm: float | None = None, precision: str = "fp32",
-                 checkpoint_stages: Sequence[int] | bool = (), emulate: bool = False, device: str = "cpu",
-                 dp: int = 1, tied: Sequence[Sequence[str]] = (), on_nonfinite: str = "stop",
+                 stages: Sequence[nn.Module] | Callable[[int], nn.Module] | None = None,
+                 balance: Sequence[int] | str | None = None, sample=None, schedule: str = "1f1b",
+                 policy: str | None = None, microbatches: int = 4, lr_scheduler: Callable | None = None,
+                 schedule_options: dict | None = None, policy_options: dict | None = None,
+                 clip_norm: float | None = None, precision: str = "fp32", checkpoint_stages: Sequence[int] | bool = (),
+                 emulate: bool = False, device: str = "cpu", dp: int = 1, tied: Sequence[Sequence[str]] = (),
+                 copies: Sequence[tuple[str, str]] = (), seed: int = 0,
+                 init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
                  watchdog_s: float | None = None):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
-                              "module per stage), not both and not neither")
+                              "module per stage, or a factory stage_index -> module), not both and not neither")
         if precision not in ("fp32", "bf16"):
             raise ConfigError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
+        if layers is not None:
+            layers = as_layers(layers)
         self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
         self.on_nonfinite, self.nonfinite_steps = on_nonfinite, 0
         self.loaded_from: str | None = None
         ctx = None
         self._watch = None
-        if not emulate:
+        if emulate:
+            tdev = emulated_device(device)
+        else:
             from .runtime.dist_env import init_from_env
             ctx = init_from_env(device)
+            tdev = ctx.device
             self._watch = ctx.watch
             if self._watch is not None and watchdog_s is not None:
                 self._watch.timeout_s = watchdog_s
@@ -115,46 +142,44 @@ class Pipeline:
                               f"reads the backward's weights; with policy {self.policy_name!r} the forward read "
                               "other weights, so gradients would be wrong. Use policy 'none' (any synchronous "
                               "schedule) or turn checkpointing off")
-        # model -> per-stage layer lists with global names
+        if tied and not self.schedule.synchronous:
+            raise ConfigError(f"tied parameters need a synchronous schedule (gpipe, 1f1b, interleaved, chimera, "
+                              f"bitpipe): under {self.schedule.name!r} the stages holding the copies step at different "
+                              "times, so their summed gradient never exists. Use a synchronous schedule, or "
+                              "copies=[(first, second), ...] to start the copies equal and train them as separate "
+                              "weights")
+        self.balance = None
         if stages is not None:
-            stages = list(stages)
-            if len(stages) != n_stages:
-                raise ConfigError(f"schedule {schedule!r} on {devices} devices has {n_stages} stages but "
-                                  f"{len(stages)} stage modules were given")
-            self._stage_layers = [[m] for m in stages]
-            self._prefix = [[f"{i}"] for i in range(n_stages)]
+            cut = ModelCut.from_stages(stages, n_stages, schedule, devices)
         else:
-            layers = list(layers)
-            if balance is None:
-                balance = balance_by_layers(len(layers), n_stages)
-            elif balance == "time":
-                if sample is None:
-                    raise ConfigError("balance='time' profiles the layers on sample= (the first layer's input)")
-                balance = balance_by_time(layers, sample, n_stages)
-            else:
-                if len(layers) < n_stages:
-                    balance_by_layers(len(layers), n_stages)
-                balance = check_balance(balance, len(layers), n_stages)
-            self.balance = list(balance)
-            starts = [sum(balance[:i]) for i in range(n_stages)]
-            self._stage_layers = [layers[a:a + b] for a, b in zip(starts, balance)]
-            self._prefix = [[str(a + j) for j in range(b)] for a, b in zip(starts, balance)]
-        gparams = self._global_params()
-        self.tied = check_ties(tied, self.schedule, gparams)
-        # each tied copy starts from its tie's first parameter's value
-        self._tie_source = {n: gparams[tie[0]][1] for tie in self.tied for n in tie[1:]}
-        ties = plan_ties(self.tied, self.schedule, {n: st for n, (st, _) in gparams.items()})
-        ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
-        working = torch.bfloat16 if precision == "bf16" else None
-        tdev = torch.device("cpu") if ctx is None else ctx.device
+            self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
+            cut = ModelCut.from_layers(layers, self.balance)
         self.devices = devices
         local = range(devices) if emulate else [ctx.rank % devices]
+        gparams = cut.global_params(need_all=bool(tied or copies))
+        self.tied = check_ties(tied, self.schedule, gparams)
+        starts = [(tie[0], n) for tie in self.tied for n in tie[1:]] + check_copies(copies, gparams)
+        stage_of = {n: st for n, (st, _) in gparams.items()}
+        ties = plan_ties(self.tied, self.schedule, stage_of)
+        del gparams
+        # this process's stage modules: built (materialised) once per stage, a second replica copied
+        modules: dict[Chunk, StageModule] = {}
+        built: dict[int, StageModule] = {}
+        for d in local:
+            for c in self.schedule.chunks[d]:
+                if c.stage in built:
+                    modules[c] = cut.second_copy(built[c.stage], tdev)
+                else:
+                    modules[c] = built[c.stage] = cut.build(c.stage, tdev, seed, init_fn)
+        cut.forget()
+        del built
+        copy_starts(starts, stage_of, modules, self.schedule, local, ctx, devices)
+        ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
+        working = torch.bfloat16 if precision == "bf16" else None
         self.workers: list[DeviceWorker] = []
         for d in local:
-            runtimes = {}
-            for c in self.schedule.chunks[d]:
-                runtimes[c] = self._build_chunk(c, optimizer, lr_scheduler, working, policy_options or {},
-                                                ckpt, tdev)
+            runtimes = {c: self._runtime(c, modules.pop(c), optimizer, lr_scheduler, working, policy_options or {},
+                                         ckpt) for c in self.schedule.chunks[d]}
             self.workers.append(DeviceWorker(self.plan, d, runtimes, loss_fn, autocast_dtype=working,
                                              device_type=tdev.type))
             self.workers[-1].ties = ties
@@ -166,33 +191,42 @@ class Pipeline:
         self.device = tdev
         self.last_stats: dict = {}
         self.step_count = 0
+        ModelCut.mark_taken(st.module for w in self.workers for st in w.stages.values())
 
-    def _build_chunk(self, chunk: Chunk, optimizer, lr_scheduler, working, policy_options, ckpt, tdev):
-        layers = [copy.deepcopy(m) for m in self._stage_layers[chunk.stage]]
-        module = StageModule(layers).to(tdev)
-        names = {}
-        for j, prefix in enumerate(self._prefix[chunk.stage]):
-            for pname, _ in layers[j].named_parameters():
-                names[f"layers.{j}.{pname}"] = f"{prefix}.{pname}"
-        with torch.no_grad():
-            for local, p in module.named_parameters():
-                source = self._tie_source.get(names.get(local))
-                if source is not None:
-                    p.copy_(source)
+    @staticmethod
+    def _balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx) -> list[int]:
+        if balance is None:
+            return balance_by_layers(len(layers), n_stages)
+        if isinstance(balance, str):
+            if balance != "time":
+                raise ConfigError(f"balance={balance!r}: give layer counts per stage, or 'time' to profile")
+            if sample is None:
+                raise ConfigError("balance='time' profiles the layers on sample= (the first layer's input)")
+            balance_by_layers(len(layers), n_stages)  # same rule: a layer per stage at least
+            result = None
+            if ctx is None or ctx.rank == 0:  # one rank profiles, all use its cut (timings differ per process)
+                result = balance_by_time(layers, _to(sample, tdev), n_stages,
+                                         prepare=lambda i, layer: timing_copy(layer, str(i), tdev, seed, init_fn))
+            if ctx is not None:
+                import torch.distributed as dist
+                box = [result]
+                dist.broadcast_object_list(box, src=0)
+                result = box[0]
+            return result
+        if len(layers) < n_stages:
+            balance_by_layers(len(layers), n_stages)
+        return check_balance(balance, len(layers), n_stages)
+
+    def _runtime(self, chunk: Chunk, module: StageModule, optimizer, lr_scheduler, working, policy_options,
+                 ckpt) -> StageRuntime:
+        names = {local: module.global_name(local) for local, _ in module.named_parameters()}
         opt = optimizer(module.parameters())
         pol = make_policy(self.policy_name, module, opt, update_every=self.plan.update_every(chunk),
                           working_dtype=working, **policy_options)
+        if hasattr(pol, "place"):    # PipeOptim's constant s rules (paper, reference) need the stage's place
+            pol.place(chunk.stage, self.schedule.num_stages)
         sched = lr_scheduler(opt) if lr_scheduler is not None else None
         return StageRuntime(chunk, module, opt, pol, sched, names, chunk.stage in ckpt)
-
-    def _global_params(self) -> dict[str, tuple[int, torch.Tensor]]:
-        """Global parameter name -> (stage, the user's parameter), before the stages are copied."""
-        out = {}
-        for stage, (layers, prefixes) in enumerate(zip(self._stage_layers, self._prefix)):
-            for layer, prefix in zip(layers, prefixes):
-                for pname, p in layer.named_parameters():
-                    out[f"{prefix}.{pname}"] = (stage, p)
-        return out
 
     # ---- running ----------------------------------------------------------------------------------------
     def _split(self, batch):

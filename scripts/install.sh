@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 
 python3 -m pip install --quiet --disable-pip-version-check \
     "torch==2.14.1" triton numpy matplotlib tqdm pytest scikit-learn ninja setuptools wheel
+# optional extras (pipeoptim[hf], pipeoptim[vision]): Hugging Face and torchvision models; their tests skip
+# without them, and CI installs them so they run. torchvision must match torch (0.29.1 <-> 2.14.1).
+python3 -m pip install --quiet --disable-pip-version-check "transformers==5.24.0" "torchvision==0.29.1"
 
 # The CUDA kernels compile wherever nvcc is found (they run only on a GPU); torch needs CUDA_HOME to
 # find it, and a target list when there is no GPU to ask.

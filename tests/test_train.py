@@ -94,6 +94,7 @@ def test_stage_modules_and_time_balance():
     p = Pipeline(layers, loss_fn=lm_loss, optimizer=rc.adamw, devices=2, schedule="1f1b", microbatches=2,
                  balance="time", sample=rc.batch(0)[0], emulate=True)
     assert sum(p.balance) == len(layers) and len(p.balance) == 2
+    layers = gpt_layers(rc.CFG, seed=1)  # p trains its layers in place: q gets its own
     q = Pipeline(stages=[torch.nn.Sequential(*layers[:3]), torch.nn.Sequential(*layers[3:])], loss_fn=lm_loss,
                  optimizer=rc.adamw, devices=2, schedule="1f1b", microbatches=2, emulate=True)
     assert q.train_step(rc.batch(0)) == pytest.approx(p.train_step(rc.batch(0)), rel=1e-6)

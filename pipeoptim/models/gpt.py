@@ -2,9 +2,13 @@
 
 Each layer maps one tensor to one tensor, so any contiguous slice is a valid stage: the embedding takes
 token ids (B, T), blocks take and return hidden states (B, T, d), the head returns logits (B, T, V).
+
+``gpt_layers(cfg, device="meta")`` builds the layers without memory, for a pipeline that materialises only
+its own stages; pass ``init_fn=gpt_init_fn(cfg)`` so they get the same initialisation scheme.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -68,19 +72,42 @@ class Head(nn.Module):
         return self.lm(self.ln(x))
 
 
-def gpt_layers(cfg: GPTConfig, seed: int = 0) -> list[nn.Module]:
-    """[Embedding, Block × n_layers, Head], initialised deterministically from `seed`."""
+def gpt_init(layer: nn.Module, n_layers: int) -> None:
+    """GPT-2's scheme for one layer: N(0, 0.02) matrices, residual projections scaled by 1/√(2·n_layers),
+    zero biases, LayerNorm weights 1."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02 if not name.endswith(("proj.weight", "out.weight"))
+                                else 0.02 / math.sqrt(2 * n_layers))
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+
+def gpt_init_fn(cfg: GPTConfig):
+    """``init_fn`` for ``Pipeline`` with meta-built ``gpt_layers``."""
+    return functools.partial(gpt_init, n_layers=cfg.n_layers)
+
+
+def _build(cfg: GPTConfig) -> list[nn.Module]:
+    return [Embedding(cfg)] + [Block(cfg) for _ in range(cfg.n_layers)] + [Head(cfg)]
+
+
+def gpt_layers(cfg: GPTConfig, seed: int = 0, device=None) -> list[nn.Module]:
+    """[Embedding, Block × n_layers, Head], initialised deterministically from `seed` (one random stream over
+    the whole model). ``device="meta"``: no memory and no initialisation (a pipeline initialises each layer
+    it materialises; see ``gpt_init_fn``)."""
+    if device is not None and torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return _build(cfg)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        layers = [Embedding(cfg)] + [Block(cfg) for _ in range(cfg.n_layers)] + [Head(cfg)]
+        layers = _build(cfg)
         for layer in layers:
-            for name, p in layer.named_parameters():
-                if p.dim() >= 2:
-                    nn.init.normal_(p, std=0.02 if not name.endswith(("proj.weight", "out.weight"))
-                                    else 0.02 / math.sqrt(2 * cfg.n_layers))
-                elif name.endswith("bias"):
-                    nn.init.zeros_(p)
+            gpt_init(layer, cfg.n_layers)
     finally:
         torch.random.set_rng_state(gen_state)
     return layers

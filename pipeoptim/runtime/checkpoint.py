@@ -18,6 +18,10 @@ keep K) is ``checkpoint_files``: ``save(pipe, root)`` writes ``root/step-<step c
 root)`` reads the newest intact checkpoint under ``root`` (or exactly the step directory it is given).
 Resuming into another stage balance, stage count or schedule works (parameters and their optimizer state
 are keyed by global names); into another optimizer it fails with the reason, unless ``weights_only=True``.
+
+Persistent buffers (BatchNorm's running statistics) travel too, by global name. Loading maps each part
+into memory (``torch.load(mmap=True)``) and copies only this process's own entries, so a rank of a large,
+meta-built pipeline reads its share of the checkpoint, never the whole model.
 """
 from __future__ import annotations
 
@@ -52,14 +56,25 @@ def _masters(st) -> dict[str, torch.Tensor]:
     return out
 
 
+def _buffers(st) -> dict[str, torch.Tensor]:
+    """Persistent buffers by global name (modules that know their layers' global names only)."""
+    global_name = getattr(st.module, "global_name", None)
+    if global_name is None:
+        return {}
+    params = {n for n, _ in st.module.named_parameters()}
+    return {global_name(n): t for n, t in st.module.state_dict(keep_vars=True).items() if n not in params}
+
+
 def pipeline_state(pipe) -> dict:
-    params, opt_state, groups, sched, pol_state = {}, {}, None, None, {}
+    params, opt_state, groups, sched, pol_state, buffers = {}, {}, None, None, {}, {}
     for w in pipe.workers:
         for c, st in w.stages.items():
             if c.replica != 0:
                 continue
             for name, t in _masters(st).items():
                 params[name] = t.detach().float().cpu().clone()
+            for name, t in _buffers(st).items():
+                buffers[name] = t.detach().cpu().clone()
             sd = st.optimizer.state_dict()
             order = _param_order(st)
             for i, name in enumerate(order):
@@ -73,7 +88,8 @@ def pipeline_state(pipe) -> dict:
             for local, entry in st.policy.state_dict()["params"].items():
                 pol_state[st.names[local]] = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in entry.items()}
     return {"params": params, "opt_state": opt_state, "groups": groups, "scheduler": sched,
-            "step_count": pipe.step_count, "policy_state": pol_state, "optimizers": _optimizer_names(pipe)}
+            "step_count": pipe.step_count, "policy_state": pol_state, "buffers": buffers,
+            "optimizers": _optimizer_names(pipe)}
 
 
 def _optimizer_names(pipe) -> list[str]:
@@ -194,8 +210,12 @@ def _parts(pipe, directory: str) -> tuple[str, list[str], str | None]:
 
 
 def _read(path: str) -> dict:
+    """A part or meta file, mapped rather than read: only the entries this process copies are paged in."""
     try:
-        return torch.load(path, weights_only=False)
+        try:
+            return torch.load(path, weights_only=False, mmap=True)
+        except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+            return torch.load(path, weights_only=False)
     except Exception as e:  # a file damaged in a way its size and hash could not show (no manifest)
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is truncated or "
                               "corrupted") from None
@@ -206,10 +226,11 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
     ``directory``: a root (the newest intact checkpoint under it) or one ``step-*`` directory.
     ``weights_only``: only the parameters (a new optimizer, scheduler and policy start fresh)."""
     directory, parts, meta_path = _parts(pipe, directory)
-    params, opt_state, groups, sched, steps, pol_state, optimizers = {}, {}, None, None, 0, {}, set()
+    params, opt_state, groups, sched, steps, pol_state, buffers, optimizers = {}, {}, None, None, 0, {}, {}, set()
     for path in parts:
         part = _read(path)
         params.update(part["params"])
+        buffers.update(part.get("buffers", {}))
         opt_state.update(part["opt_state"])
         pol_state.update(part.get("policy_state", {}))
         optimizers.update(part.get("optimizers", ()))
@@ -236,11 +257,14 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
                     p.copy_(value.to(p.dtype))
                     if n in local and local[n] is not p:
                         local[n].copy_(value.to(local[n].dtype))
+                for name, t in _buffers(st).items():
+                    if name in buffers:
+                        t.copy_(buffers[name].to(t.dtype))
             if weights_only:
                 continue
             sd = st.optimizer.state_dict()
-            sd["state"] = {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt_state[n].items()}
-                           for i, n in enumerate(order) if n in opt_state}
+            # no clone: the flat binding copies loaded state into its own buffers (its load hook)
+            sd["state"] = {i: dict(opt_state[n]) for i, n in enumerate(order) if n in opt_state}
             if groups is not None and len(groups) == len(sd["param_groups"]):
                 for g, saved in zip(sd["param_groups"], groups):
                     g.update({k: v for k, v in saved.items() if k != "params"})
