@@ -173,15 +173,18 @@ def rank_pid(job: Job, rank: int, timeout: float = 120.0) -> int:
     raise AssertionError(f"rank {rank} did not appear within {timeout} s")
 
 
-def wait_for(path: str, job: Job, timeout: float = 180.0) -> None:
-    """Wait until ``path`` exists (the job reached a point worth interrupting) while the job runs."""
+def wait_for(what, job: Job, timeout: float = 180.0) -> None:
+    """Wait until the job reached a point worth interrupting, while it runs: ``what`` is a path that must exist,
+    or a function that returns True once that point is reached (its ``description`` names the point)."""
+    reached = what if callable(what) else (lambda: os.path.exists(what))
+    name = getattr(what, "description", repr(what)) if callable(what) else f"{what} to exist"
     t0 = time.monotonic()
-    while not os.path.exists(path):
+    while not reached():
         if job.proc.poll() is not None:
-            raise AssertionError(f"the job ended before {path} appeared:\n{job.text()}")
+            raise AssertionError(f"the job ended while waiting for {name}:\n{job.text()}")
         if time.monotonic() - t0 > timeout:
             job.kill_all()
-            raise AssertionError(f"{path} did not appear within {timeout} s:\n{job.text()}")
+            raise AssertionError(f"still waiting for {name} after {timeout} s:\n{job.text()}")
         time.sleep(0.1)
 
 

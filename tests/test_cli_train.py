@@ -19,7 +19,8 @@ def test_hf_gpt2_trains_through_the_emulated_pipeline(tmp_path, capsys, one_thre
     assert last.startswith("final loss: ") and 0 < float(last.split(": ")[1]) < 6.0
     history = json.loads((tmp_path / "history.json").read_text())["history"]
     assert len(history) == 3 and history[-1]["loss"] < history[0]["loss"]
-    assert (tmp_path / "checkpoint" / "part-0.pt").exists()
+    saved = tmp_path / "checkpoint" / "step-00000003"
+    assert (saved / "manifest.json").exists() and (saved / "part-0.pt").exists()
 
 
 def test_hf_model_without_transformers_says_how_to_install(monkeypatch, capsys, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -31,8 +32,15 @@ def _start(tmp_path, *args, name="run"):
     return job, run
 
 
-def _manifest(run, step):
-    return str(run / "checkpoint" / f"step-{step:08d}" / "manifest.json")
+def _saved(run, step):
+    """Wait condition: a committed checkpoint at ``step`` or later. Not step-<step> itself: with --save-every 1
+    the newest few are kept, and a fast machine writes and prunes step 2 between two looks."""
+    def reached():
+        root = run / "checkpoint"
+        return root.is_dir() and any(re.fullmatch(r"step-\d+", d.name) and int(d.name[5:]) >= step
+                                     and (d / "manifest.json").exists() for d in root.iterdir())
+    reached.description = f"a committed checkpoint at step {step} or later in {run / 'checkpoint'}"
+    return reached
 
 
 def _run(tmp_path, *args, timeout=300):
@@ -43,7 +51,7 @@ def _run(tmp_path, *args, timeout=300):
 
 def test_sigkilled_rank0_ends_the_run_and_resume_continues(tmp_path):
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1")  # progress bar on: rank 0 holds a lock
-    fh.wait_for(_manifest(run, 2), job)
+    fh.wait_for(_saved(run, 2), job)
     t0 = time.monotonic()
     os.kill(fh.rank_pid(job, 0), signal.SIGKILL)
     code = job.wait(BOUND_S + 30)
@@ -66,7 +74,7 @@ def test_sigkilled_rank0_ends_the_run_and_resume_continues(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
-    fh.wait_for(_manifest(run, 2), job)
+    fh.wait_for(_saved(run, 2), job)
     ranks = [fh.rank_pid(job, r) for r in range(2)]
     t0 = time.monotonic()
     os.kill(job.proc.pid, sig)
@@ -81,7 +89,7 @@ def test_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
 
 def test_sigkilled_launcher_takes_its_ranks_along(tmp_path):
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
-    fh.wait_for(_manifest(run, 2), job)
+    fh.wait_for(_saved(run, 2), job)
     job.members()  # record the ranks before their parent goes
     t0 = time.monotonic()
     os.kill(job.proc.pid, signal.SIGKILL)
@@ -179,3 +187,19 @@ def test_nan_stops_with_a_checkpoint_of_the_last_finite_state(tmp_path):
     assert code == 0, text
     skipped = [h for h in json.load(open(tmp_path / "skip" / "history.json"))["history"] if h["skipped"]]
     assert skipped, "the run was meant to meet a NaN"
+
+
+def test_the_wait_sees_a_checkpoint_whose_step_was_already_pruned(tmp_path):
+    # regression: the tests waited for step-00000002/manifest.json itself; with --save-every 1 a fast machine
+    # wrote and pruned it between two looks, and the wait ran into its 180 s timeout on a healthy job
+    run = tmp_path / "run"
+    reached = _saved(run, 2)
+    assert not reached()                                     # no checkpoint directory yet
+    (run / "checkpoint" / "step-00000001").mkdir(parents=True)
+    (run / "checkpoint" / "step-00000001" / "manifest.json").write_text("{}")
+    (run / "checkpoint" / "step-00000007.damaged").mkdir()
+    (run / "checkpoint" / "step-00000008").mkdir()           # being written: no manifest yet
+    assert not reached()
+    (run / "checkpoint" / "step-00000006").mkdir()
+    (run / "checkpoint" / "step-00000006" / "manifest.json").write_text("{}")
+    assert reached()

@@ -4,6 +4,7 @@ process's own stages, real layers trained in place, checkpoints loaded into meta
 the process's share, emulated pipelines on the device asked for."""
 from __future__ import annotations
 
+import glob
 import os
 import re
 
@@ -181,8 +182,9 @@ def test_processes_build_and_load_only_their_own_share(tmp_path, one_thread):
     saved = Pipeline(gpt_layers(BIG, device="meta"), init_fn=gpt_init_fn(BIG), loss_fn=lm_loss, optimizer=rc.adamw,
                      devices=4, schedule="async-1f1b", policy="pipeoptim", microbatches=4, emulate=True, seed=9)
     saved.train_step(rc.batch(0))
-    saved.save(str(tmp_path / "ck"))
-    total = sum(os.path.getsize(p) for p in (tmp_path / "ck").glob("part-*.pt"))
+    written = saved.save(str(tmp_path / "ck"))
+    total = sum(os.path.getsize(p) for p in glob.glob(os.path.join(written, "part-*.pt")))
+    assert total > 0, f"no checkpoint parts in {written}"
     results = launch(_share_job, 2, str(tmp_path / "ck"), timeout_s=120)
     assert [r["calls"] for r in results] == [[0], [1]]  # the factory ran only for the rank's own stage
     for k, v in saved.named_parameters().items():
