@@ -98,5 +98,5 @@ run_step env        30 'report_env'
 run_step build     165 'build_extension'
 run_step tests_gpu 150 'PIPEOPTIM_GPU_TESTS_CSV=$OUT/tests_gpu.csv $PY -m pytest -q -p no:cacheprovider tests/gpu'
 run_step kernels    90 '$PY benchmarks/bench_kernels.py --device $DEV $QUICK $KERNEL_SIZES --rules adam,sgd --out $OUT/kernels_$DEV.csv --no-plot'
-run_step runtime   120 '$PY benchmarks/bench_large.py --device $DEV $QUICK --mode emulate --policies pipeoptim,none --csv $OUT/large.csv'
+run_step runtime   120 '$PY benchmarks/bench_large.py --device $DEV $QUICK --mode emulate --policies pipeoptim,none --timeout-s 55 --csv $OUT/large.csv'
 steps_end
