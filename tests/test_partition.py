@@ -46,8 +46,8 @@ def test_profiled_balance_is_the_min_max_cut_of_the_measured_costs(monkeypatch):
     measured = {}
     real = part.profile_layers
 
-    def spy(layers, sample, repeats=3):
-        measured["costs"] = real(layers, sample, repeats)
+    def spy(layers, sample, repeats=3, prepare=None):
+        measured["costs"] = real(layers, sample, repeats, prepare)
         return measured["costs"]
     monkeypatch.setattr(part, "profile_layers", spy)
     bal = part.balance_by_time(_heavy_model(), torch.randn(256, 8), 2)
