@@ -223,10 +223,12 @@ def _rank_main(rank: int, world: int, port: int, jobs: list) -> None:
 
 
 def _run_ranks(world: int, per_rank_jobs: list, timeout: float = 60.0) -> None:
-    """Fork ``world`` ranks (forking reuses this process's imported torch: seconds instead of a fresh import
-    per rank); kill them all if any fails or time runs out, so a hang fails the test instead of blocking."""
+    """Start ``world`` ranks from a fork server that has imported torch (seconds instead of a fresh import per
+    rank, and never a fork of this process: torch 2.11 refuses autograd in a child forked after the parent ran
+    it); kill them all if any fails or time runs out, so a hang fails the test instead of blocking."""
     import multiprocessing as mp
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.pipelining", "pipeoptim.schedules"])
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, per_rank_jobs[r]), daemon=True)
              for r in range(world)]
@@ -257,10 +259,25 @@ def test_torch_runtime_runs_our_orders_on_four_ranks(tmp_path):
     _check_runtime(4, [("1f1b", 2, None), ("interleaved", 4, 2)], tmp_path)
 
 
+# torch 2.11's runtime opens a stage's links with a p2p send to the next stage's rank even when that rank is its
+# own, as in a V-shape order (stages D-1 and D on the last rank): gloo fails ("Pair is not connected ... <-->
+# [none]"). torch 2.14 skips local neighbours; 2.12 and 2.13 are untested, so the V orders run from 2.14 on.
+TORCH_RUNS_V_ORDERS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+needs_v_orders = pytest.mark.skipif(not TORCH_RUNS_V_ORDERS, reason=f"torch {torch.__version__}'s pipelining "
+                                    "runtime sends to its own rank when one rank holds two adjacent stages")
+
+
 @needs_torch_runtime
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_torch_runtime_runs_our_split_backward_orders(world, tmp_path):
+def test_torch_runtime_runs_our_zb_h1_order(world, tmp_path):
     """torch executes our I/W actions (its BACKWARD_INPUT / BACKWARD_WEIGHT) with the gradients of plain training."""
-    _check_runtime(world, [("zb-h1", world + 2, None), ("zbv", 2 * world, None), ("dualpipev", 2 * world, None)],
-                   tmp_path)
+    _check_runtime(world, [("zb-h1", world + 2, None)], tmp_path)
+
+
+@needs_torch_runtime
+@needs_v_orders
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_runtime_runs_our_v_shape_split_backward_orders(world, tmp_path):
+    _check_runtime(world, [("zbv", 2 * world, None), ("dualpipev", 2 * world, None)], tmp_path)
