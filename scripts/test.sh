@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs (see install.sh) and runs the whole CPU test suite; Triton kernels run through Triton's
-# interpreter, GPU tests (tests/gpu) skip without a GPU. Then the suite again under the oldest supported
-# torch (scripts/test_oldest_torch.sh). Extra arguments go to pytest.
+# interpreter, GPU tests (tests/gpu) skip without a GPU. Then the kernel and runtime tests again under the
+# oldest supported torch (scripts/test_oldest_torch.sh). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -14,7 +14,8 @@ if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure, not a pass" >&2
     exit 1
 fi
-# Once more under the oldest supported torch, the GPU machine's (torch 2.11 + triton 3.6, its own venv).
+# The kernel and runtime tests once more under the oldest supported torch, the GPU machine's (torch 2.11 +
+# triton 3.6, its own venv).
 if [ "$status" -eq 0 ]; then
     bash scripts/test_oldest_torch.sh "$@" || status=$?
 fi
