@@ -99,7 +99,7 @@ GPT_CFG = dict(seq_len=64, d_model=64, n_heads=4, n_layers=2)  # 4 layers: embed
 class Task:
     """Data stream, model layers, loss and evaluation (on a plain nn.Sequential holding the pipeline's weights)."""
 
-    def __init__(self, name: str, seed: int):
+    def __init__(self, name: str, seed: int, gpt_cfg: dict | None = None):
         self.name = name
         self.gen = torch.Generator().manual_seed(1000 + seed)
         if name == "digits":
@@ -111,7 +111,7 @@ class Task:
             from pipeoptim.data import stdlib_corpus
             from pipeoptim.models import GPTConfig, gpt_layers
             from pipeoptim.models.gpt import lm_loss
-            self.cfg = GPTConfig(**GPT_CFG)
+            self.cfg = GPTConfig(**(GPT_CFG if gpt_cfg is None else gpt_cfg))
             self.corpus = stdlib_corpus(max_bytes=2 << 20)
             self.layers = gpt_layers(self.cfg, seed=seed)
             self.loss_fn = lm_loss
@@ -126,11 +126,15 @@ class Task:
             return self.xtr[idx], self.ytr[idx]
         return self.corpus.batch("train", size, self.cfg.seq_len, self.gen)
 
-    @torch.no_grad()
     def evaluate(self, pipe) -> dict:
         """Test accuracy and loss (digits) or validation loss (gpt) of the pipeline's real weights."""
+        return self.evaluate_params(pipe.named_parameters())
+
+    @torch.no_grad()
+    def evaluate_params(self, named: dict) -> dict:
+        """The same for weights given by global parameter name (e.g. copies taken during a run)."""
         model = nn.Sequential(*[m for m in self.layers])  # architecture only; weights loaded below
-        params = {k: v.detach().float() for k, v in pipe.named_parameters().items()}
+        params = {k: v.detach().float() for k, v in named.items()}
         missing, unexpected = model.load_state_dict(params, strict=False)
         if missing or unexpected:
             raise RuntimeError(f"pipeline parameter names do not match the layer list: missing {missing[:3]}, "
@@ -211,18 +215,25 @@ def make_optimizer(name: str, lr: float):
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
 
 
-def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple[dict, list[dict]]:
+def build_pipeline(task: "Task", method: str, devices: int, optimizer: str, lr: float, mbs: int, window: int,
+                   balance=None):
+    """The emulated pipeline that runs `method` on `task`; returns it, its Pipeline keywords and micro-batch size."""
     from pipeoptim.train import Pipeline
-    torch.manual_seed(seed)
-    task = Task(cfg["task"], seed)
-    D = cfg["devices"]
-    kw, mb_size = method_config(method, D, cfg["mbs"], window)
-    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(cfg["optimizer"], cfg["lr"]),
-                    devices=D, emulate=True, **kw)
+    kw, mb_size = method_config(method, devices, mbs, window)
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(optimizer, lr),
+                    devices=devices, emulate=True, balance=balance, **kw)
     if method.startswith("s-"):
         for w in pipe.workers:
             for chunk, st in w.stages.items():
-                st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, D
+                st.policy.s_rule, st.policy.stage, st.policy.devices = method[2:], chunk.stage, devices
+    return pipe, kw, mb_size
+
+
+def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple[dict, list[dict]]:
+    torch.manual_seed(seed)
+    task = Task(cfg["task"], seed)
+    D = cfg["devices"]
+    pipe, kw, mb_size = build_pipeline(task, method, D, cfg["optimizer"], cfg["lr"], cfg["mbs"], window)
     per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
     per_call = kw["microbatches"] // per_update  # updates per train_step
     curve, steps, t0, train_losses = [], 0, time.perf_counter(), []
