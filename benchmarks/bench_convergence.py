@@ -205,22 +205,24 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
 
 
-def make_optimizer(name: str, lr: float):
+def make_optimizer(name: str, lr: float, fused: bool = False):
+    """fused=True: torch's fused implementation of the same update (the fastest torch step on CPU)."""
+    extra = {"fused": True} if fused else {}
     if name == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, **extra)
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, **extra)
     if name == "adam":
-        return lambda ps: torch.optim.Adam(ps, lr=lr)
+        return lambda ps: torch.optim.Adam(ps, lr=lr, **extra)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
 
 
 def build_pipeline(task: "Task", method: str, devices: int, optimizer: str, lr: float, mbs: int, window: int,
-                   balance=None):
+                   balance=None, fused: bool = False):
     """The emulated pipeline that runs `method` on `task`; returns it, its Pipeline keywords and micro-batch size."""
     from pipeoptim.train import Pipeline
     kw, mb_size = method_config(method, devices, mbs, window)
-    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(optimizer, lr),
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(optimizer, lr, fused),
                     devices=devices, emulate=True, balance=balance, **kw)
     if method.startswith("s-"):
         for w in pipe.workers:

@@ -15,7 +15,10 @@ schedules per micro-batch. Here the two factors are measured on the same model a
 - Time per update: the pipeline simulator (pipeoptim.sim) fed with costs measured here on the same model: each
   layer's forward and backward at every micro-batch size used (summed per stage), and each method's own work per
   stage measured in a steady-state loop with the schedule's s micro-batches in flight (the optimizer step,
-  PipeOptim's fused step+prediction, SpecTrain's two predictions, PipeDream's and 2BW's weight copies). Each
+  PipeOptim's fused step+prediction, SpecTrain's two predictions, PipeDream's and 2BW's weight copies). Every
+  method steps with torch's fused optimizer (the fastest torch step on CPU), in the runs and the timings alike.
+  Costs are CPU time of the measuring thread (`time.thread_time`, one torch thread), which the other processes on
+  a shared machine do not inflate the way they inflate wall time. Each
   synchronous schedule gets its best number of micro-batches N (and BitPipe its better concatenation); async
   schedules run in windows of `window` micro-batches, as the convergence runs do (fill and drain once per
   window). Interleaved 1F1B and BitPipe cut the model into 2D stages: each gets half a D-stage's measured cost.
@@ -110,6 +113,7 @@ class Workload:
     gpt_cfg: dict | None = None
     balance: Callable[[int], list[int]] | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
+    fused_optimizer: bool = True   # torch's fused step (the fastest torch offers on CPU), in runs and timings alike
     cost_repeats: int = 5          # per round, 3 rounds
     overhead_iters: int = 32
 
@@ -163,7 +167,11 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
 
 # ---- one training run ---------------------------------------------------------------------------------------------
 class Diverged(RuntimeError):
-    """A stage's weights became non-finite."""
+    """A stage's weights became non-finite (found at `updates`)."""
+
+    def __init__(self, stage: int, updates: int):
+        super().__init__(f"stage {stage} has non-finite weights after {updates} updates")
+        self.updates = updates
 
 
 class Snapshots:
@@ -186,7 +194,7 @@ class Snapshots:
     def record(self, stage: int, count: int, st) -> None:
         copies = {st.names[n]: p.detach().clone() for n, p in st.module.named_parameters()}
         if not all(torch.isfinite(v).all() for v in copies.values()):
-            raise Diverged(f"stage {stage} has non-finite weights after {count} updates")
+            raise Diverged(stage, count)
         self.pending[count][stage] = copies
 
     def take(self) -> list[tuple[int, dict]]:
@@ -213,12 +221,12 @@ class _StageHook:
             self.owner.record(self.stage, self.count, self.st)
 
 
-def _diverged_cause(e: BaseException) -> bool:
+def _diverged_cause(e: BaseException) -> Diverged | None:
     while e is not None:
         if isinstance(e, Diverged):
-            return True
+            return e
         e = e.__cause__
-    return False
+    return None
 
 
 def train_with_snapshots(pipe, task, wl: Workload, samples_per_call: int, per_call: int):
@@ -228,21 +236,23 @@ def train_with_snapshots(pipe, task, wl: Workload, samples_per_call: int, per_ca
         raise ValueError(f"{wl.name}: {wl.updates} updates is not a whole number of windows of {per_call} updates")
     snaps = Snapshots(pipe, wl.eval_every)
     curve = [(0, task.evaluate(pipe)[wl.metric])]
-    steps, diverged, loss = 0, False, float("nan")
+    steps, diverged, loss, found = 0, False, float("nan"), None
     while steps < wl.updates and not diverged:
         try:
             loss = pipe.train_step(task.batch(samples_per_call))
         except Exception as e:  # noqa: BLE001 - only a divergence is expected; anything else is re-raised
-            if not _diverged_cause(e):
+            cause = _diverged_cause(e)
+            if cause is None:
                 raise
-            diverged = True
+            diverged, found = True, cause.updates
         steps += per_call
         for count, params in snaps.take():
-            curve.append((count, task.evaluate_params(params)[wl.metric]))
+            if found is None or count < found:
+                curve.append((count, task.evaluate_params(params)[wl.metric]))
         if not math.isfinite(loss) or not all(math.isfinite(v) for _, v in curve):
             diverged = True
-    if diverged:
-        curve.append((min(steps, wl.updates), float("nan")))
+    if diverged:  # the first evaluation that found it, or the end of the window whose loss was not finite
+        curve.append((found if found is not None else min(steps, wl.updates), float("nan")))
     return curve, diverged, loss
 
 
@@ -264,12 +274,12 @@ def updates_to(curve: list[tuple[int, float]], target: float, wl: Workload) -> f
 def run_curve(workload: str, method: str, devices: int, lr: float, seed: int) -> dict:
     """One training run in this process (one thread); the row appended to the runs CSV."""
     wl = WORKLOADS[workload]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
     task = bc.Task(wl.task, seed, wl.gpt_cfg)
     D = devices or min(wl.depths)  # sync: the update does not depend on the depth
     pipe, kw, mb_size = bc.build_pipeline(task, method, D, wl.optimizer, lr, wl.batch, wl.window,
-                                          balance=wl.stage_balance(D))
+                                          balance=wl.stage_balance(D), fused=wl.fused_optimizer)
     per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
     curve, diverged, loss = train_with_snapshots(pipe, task, wl, mb_size * kw["microbatches"],
                                                  kw["microbatches"] // per_update)
@@ -279,7 +289,7 @@ def run_curve(workload: str, method: str, devices: int, lr: float, seed: int) ->
             "final": curve[-1][1] if not diverged else float("nan"),
             "best": (max if wl.metric == "acc" else min)(finite) if finite else float("nan"),
             "curve": json.dumps([[s, round(v, 5) if math.isfinite(v) else None] for s, v in curve]),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1)}
 
 
 def _worker_init(threads: int) -> None:
@@ -324,7 +334,7 @@ def run_missing(wl: Workload, todo: list[tuple], path: str, jobs: int, threads: 
     def report(row):
         _append(path, row)
         print(f"  {row['method']} D={row['devices']} lr={row['lr']} seed={row['seed']}: final {row['final']:.4f}"
-              f"{' DIVERGED' if row['diverged'] else ''} ({row['wall_s']} s)", flush=True)
+              f"{' DIVERGED' if row['diverged'] else ''} ({row['wall_s']} s, cpu {row['cpu_s']} s)", flush=True)
 
     if jobs <= 1:
         for k in todo:
@@ -392,7 +402,8 @@ def measure_layer_costs(wl: Workload) -> list[dict]:
     for _ in range(3):
         for size in microbatch_sizes(wl):
             x, y = task.batch(size)
-            r = profile_stages(task.layers, x, loss_fn=lambda out: task.loss_fn(out, y), repeats=wl.cost_repeats)
+            r = profile_stages(task.layers, x, loss_fn=lambda out: task.loss_fn(out, y), repeats=wl.cost_repeats,
+                               clock=time.thread_time)
             for layer, (f, b) in enumerate(zip(r["forward"], r["backward"])):
                 samples[(layer, size)].append((f, b))
     return [{"layer": layer, "microbatch_size": size, "forward_s": statistics.median(f for f, _ in v),
@@ -433,7 +444,7 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
             s, look = steady_s(D, wl.window, k)
             for variant in variants:
                 module = StageModule([copy.deepcopy(m) for m in task.layers[starts[k]:starts[k] + balance[k]]])
-                opt = bc.make_optimizer(wl.optimizer, min(wl.lrs))(module.parameters())
+                opt = bc.make_optimizer(wl.optimizer, min(wl.lrs), wl.fused_optimizer)(module.parameters())
                 policy = "pipeoptim" if variant == "pipeoptim-code" else variant
                 pol = make_policy(policy, module, opt, update_every=D if variant == "2bw" else 1)
                 s_v = float(D - k) if variant == "pipeoptim-code" else float(s)
@@ -455,33 +466,33 @@ def _policy_loop(pol, module, x, s: float, look: float, in_flight: int, iters: i
     pending = []
     warm = in_flight + 4
     for i in range(warm + iters):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         ctx = pol.forward(i, s=s, lookahead=look)
         ctx.__enter__()
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         y = module(x)
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         ctx.__exit__(None, None, None)
-        t3 = time.perf_counter()
+        t3 = time.thread_time()
         pending.append((i, y))
         if i >= warm:
             fwd.append((t1 - t0) + (t3 - t2))
         if len(pending) > in_flight:
             j, yj = pending.pop(0)
-            t4 = time.perf_counter()
+            t4 = time.thread_time()
             ctx = pol.backward(j, s=look)
             ctx.__enter__()
-            t5 = time.perf_counter()
+            t5 = time.thread_time()
             torch.autograd.backward(yj, torch.ones_like(yj))
-            t6 = time.perf_counter()
+            t6 = time.thread_time()
             ctx.__exit__(None, None, None)
-            t7 = time.perf_counter()
+            t7 = time.thread_time()
             if i >= warm:
                 bwd.append((t5 - t4) + (t7 - t6))
             if pol.should_step():
-                t8 = time.perf_counter()
+                t8 = time.thread_time()
                 pol.step(next_s=s)
-                t9 = time.perf_counter()
+                t9 = time.thread_time()
                 if i >= warm:
                     step.append(t9 - t8)
     for j, _ in pending:

@@ -216,11 +216,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
 
 
 def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = None, repeats: int = 5,
-                   warmup: int = 2) -> dict:
+                   warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Measure each stage module's forward and backward time (seconds) on this machine, one micro-batch.
 
     ``stages`` are torch modules applied in sequence to ``example_input``; ``loss_fn(output)`` turns the last
-    output into a scalar (default: sum). Returns ``forward``, ``backward`` (per-stage medians),
+    output into a scalar (default: sum). ``clock``: wall time by default; ``time.thread_time`` measures the
+    CPU time of this thread instead, which other processes on a shared machine do not inflate (with one torch
+    thread every op runs on the calling thread). Returns ``forward``, ``backward`` (per-stage medians),
     ``activation_bytes`` (each stage's output size) and ``param_bytes`` (per stage), ready for
     ``Costs.from_measurements(r["forward"], r["backward"], activation_bytes=r["activation_bytes"],
     param_bytes=r["param_bytes"])``.
@@ -236,9 +238,9 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
         inputs, outputs = [], []
         for k, stage in enumerate(stages):
             x = x.detach().requires_grad_(x.is_floating_point())
-            t0 = time.perf_counter()
+            t0 = clock()
             y = stage(x)
-            t1 = time.perf_counter()
+            t1 = clock()
             inputs.append(x)
             outputs.append(y)
             out_bytes[k] = float(y.numel() * y.element_size())
@@ -247,12 +249,12 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
             x = y
         grad = None
         for k in reversed(range(len(stages))):
-            t0 = time.perf_counter()
+            t0 = clock()
             if grad is None:
                 loss_fn(outputs[k]).backward()
             else:
                 torch.autograd.backward(outputs[k], grad)
-            t1 = time.perf_counter()
+            t1 = clock()
             grad = inputs[k].grad
             if rep >= warmup:
                 bwd_t[k].append(t1 - t0)

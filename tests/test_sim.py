@@ -118,3 +118,16 @@ def test_profiled_stage_times_feed_the_simulator():
     r = simulate(get_schedule("1f1b", 2, 4), costs)
     busiest = max(p["forward"][k] + p["backward"][k] for k in range(2))
     assert 4 * busiest <= r.makespan <= 4 * (sum(p["forward"]) + sum(p["backward"]))   # overlap, never serial+
+
+
+def test_profile_stages_reads_the_clock_it_is_given():
+    """A clock that advances one unit per reading times every forward and backward as exactly one unit (the
+    benchmarks pass time.thread_time: CPU time, which other processes on a shared machine do not inflate)."""
+    import itertools
+
+    import torch
+    ticks = itertools.count()
+    stages = [torch.nn.Linear(8, 8) for _ in range(3)]
+    p = profile_stages(stages, torch.randn(2, 8), repeats=3, warmup=1, clock=lambda: float(next(ticks)))
+    assert p["forward"] == [1.0] * 3 and p["backward"] == [1.0] * 3
+    assert next(ticks) == 2 * 2 * 3 * (3 + 1)  # two readings per op, forward and backward, 3 stages, 4 passes
