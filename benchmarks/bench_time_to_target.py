@@ -650,7 +650,7 @@ def _result(wl, rows, costs, target, name, run, schedule, D, lr=None) -> MethodR
     mine = [r for r in rows if r["method"] == run and r["devices"] == rd]
     if not mine:
         return None
-    sweep = [r for r in mine if r["seed"] == wl.seeds[0] and r["lr"] in wl.lrs]
+    sweep = [] if run in ABLATION else [r for r in mine if r["seed"] == wl.seeds[0] and r["lr"] in wl.lrs]
     res = MethodResult(name, D, lr, diverged_sweep=sum(r["diverged"] for r in sweep), sweep_runs=len(sweep))
     try:
         res.time = costs.time_per_update(schedule, D, POLICY_OF_RUN[run])
@@ -668,12 +668,13 @@ def _result(wl, rows, costs, target, name, run, schedule, D, lr=None) -> MethodR
 
 
 def _ms(vals: list[float], fmt: str = "{:.1f}") -> str:
+    """mean ± std of the finite values (the std without a sign)."""
     vals = [v for v in vals if v is not None and math.isfinite(v)]
     if not vals:
         return "–"
     if len(vals) == 1:
         return fmt.format(vals[0])
-    return f"{fmt.format(statistics.mean(vals))} ± {fmt.format(statistics.stdev(vals))}"
+    return f"{fmt.format(statistics.mean(vals))} ± {fmt.replace('+', '').format(statistics.stdev(vals))}"
 
 
 def _mean_finite(vals) -> float | str:
@@ -688,7 +689,7 @@ def _paired(res: MethodResult, ref: MethodResult | None) -> str:
     diffs = [a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None]
     if not diffs:
         return "–"
-    return _ms(diffs, "{:+.1f}") + f" (n={len(diffs)})"
+    return _ms(diffs, "{:+.2f}") + f" (n={len(diffs)})"
 
 
 def _time_of(res: MethodResult, linear: bool = False) -> float | None:
@@ -733,8 +734,8 @@ def report(wl: Workload, out: str) -> list[dict]:
                 tt_lin = _time_of(r, linear=True)
                 lr = "all diverged" if r.lr is None else f"{r.lr:g}"
                 print(f"| {r.method} | {lr} | {_ms(ups)} | {reached}/{r.seeds} | {1e3 * t['time_s']:.1f} [{detail}] "
-                      f"| **{_ms(times)}** | {_paired(r, ref)} | {1e3 * tl['time_s']:.1f} / "
-                      f"{'–' if tt_lin is None else f'{tt_lin:.1f}'} | {r.diverged_sweep}/{r.sweep_runs}, "
+                      f"| **{_ms(times, '{:.2f}')}** | {_paired(r, ref)} | {1e3 * tl['time_s']:.1f} / "
+                      f"{'–' if tt_lin is None else f'{tt_lin:.2f}'} | {r.diverged_sweep}/{r.sweep_runs}, "
                       f"{r.diverged_seeds}/{r.seeds} | {_ms(list(r.final.values()), '{:.4f}')} |")
                 summary.append({"workload": wl.name, "target": target, "devices": D, "method": r.method,
                                 "lr": r.lr, "seeds": r.seeds, "reached": reached,
@@ -754,6 +755,7 @@ def report(wl: Workload, out: str) -> list[dict]:
             print()
         if ti == 0:
             _ablation_table(wl, results)
+        _overview_table(wl, results, target)
     _sweep_table(wl, rows)
     _write_csv(os.path.join(out, f"time_to_target_{wl.name}_summary.csv"), summary)
     _plot(wl, rows, costs, out)
@@ -761,11 +763,41 @@ def report(wl: Workload, out: str) -> list[dict]:
     return summary
 
 
+def _overview_table(wl: Workload, results: list[MethodResult], target: float) -> None:
+    """Methods × depths: time to target (mean over the seeds that reached it), the first one in bold."""
+    rows = [r for r in results if r.method in METHODS]
+    print(f"overview: projected seconds to {target} (mean over seeds; k/n = seeds that reached it), each method at its "
+          "best lr; first to the target in bold; in brackets the same with compute ∝ samples\n")
+    print("| method | " + " | ".join(f"D = {D}" for D in wl.depths) + " |")
+    print("|---|" + "---|" * len(wl.depths))
+    first = {}
+    for D in wl.depths:
+        at = sorted((r for r in rows if r.devices == D), key=_rank_key)
+        if at and _time_of(at[0]) is not None:
+            first[D] = at[0].method
+    for name in METHODS:
+        cells = []
+        for D in wl.depths:
+            r = next((x for x in rows if x.devices == D and x.method == name), None)
+            if r is None:
+                cells.append("–")
+                continue
+            t, tl = _time_of(r), _time_of(r, linear=True)
+            n = sum(u is not None for u in r.per_seed_updates.values())
+            if t is None:
+                cells.append(f"not reached (0/{r.seeds})")
+                continue
+            cell = f"{t:.2f}" + (f" ({n}/{r.seeds})" if n < r.seeds else "") + f" [{tl:.2f}]"
+            cells.append(f"**{cell}**" if first.get(D) == name else cell)
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+
+
 def _ablation_table(wl: Workload, results: list[MethodResult]) -> None:
     D = max(wl.depths)
     base = next((r for r in results if r.devices == D and r.method == REFERENCE), None)
     abl = [r for r in results if r.devices == D and r.method in ABLATION]
-    if base is None or not abl:
+    if base is None or base.lr is None or not abl:
         return
     print(f"s ablation, PipeOptim at D = {D}, lr {base.lr:g} (PipeOptim's best), target {wl.targets[0]}:\n")
     print("| s rule | updates to target | reached | time per update, ms | time to target, s | paired Δ updates vs "
@@ -780,7 +812,7 @@ def _ablation_table(wl: Workload, results: list[MethodResult]) -> None:
         seeds = sorted(r.per_seed_updates)
         d_fin = [r.final[s] - base.final[s] for s in r.final if s in base.final]
         print(f"| {names[r.method]} | {_ms(ups)} | {sum(u is not None for u in ups)}/{len(seeds)} | "
-              f"{1e3 * r.time['time_s']:.1f} | {_ms(list(r.per_seed_time.values()))} | "
+              f"{1e3 * r.time['time_s']:.1f} | {_ms(list(r.per_seed_time.values()), '{:.2f}')} | "
               f"{'–' if r is base else _ms(d_up, '{:+.1f}')} | {_ms(list(r.final.values()), '{:.4f}')} | "
               f"{'–' if r is base else _ms(d_fin, '{:+.4f}')} |")
     print()
