@@ -109,7 +109,7 @@ GPT_CFG = dict(seq_len=64, d_model=64, n_heads=4, n_layers=2)  # 4 layers: embed
 class Task:
     """Data stream, model layers, loss and evaluation (on a plain nn.Sequential holding the pipeline's weights)."""
 
-    def __init__(self, name: str, seed: int):
+    def __init__(self, name: str, seed: int, gpt_cfg: dict | None = None):
         self.name = name
         self.gen = torch.Generator().manual_seed(1000 + seed)
         if name == "digits":
@@ -121,7 +121,7 @@ class Task:
             from pipeoptim.data import stdlib_corpus
             from pipeoptim.models import GPTConfig, gpt_layers
             from pipeoptim.models.gpt import lm_loss
-            self.cfg = GPTConfig(**GPT_CFG)
+            self.cfg = GPTConfig(**(GPT_CFG if gpt_cfg is None else gpt_cfg))
             self.corpus = stdlib_corpus(max_bytes=2 << 20)
             self.layers = gpt_layers(self.cfg, seed=seed)
             self.loss_fn = lm_loss
@@ -136,11 +136,15 @@ class Task:
             return self.xtr[idx], self.ytr[idx]
         return self.corpus.batch("train", size, self.cfg.seq_len, self.gen)
 
-    @torch.no_grad()
     def evaluate(self, pipe) -> dict:
         """Test accuracy and loss (digits) or validation loss (gpt) of the pipeline's real weights."""
+        return self.evaluate_params(pipe.named_parameters())
+
+    @torch.no_grad()
+    def evaluate_params(self, named: dict) -> dict:
+        """The same for weights given by global parameter name (e.g. copies taken during a run)."""
         model = nn.Sequential(*[m for m in self.layers])  # architecture only; weights loaded below
-        params = {k: v.detach().float() for k, v in pipe.named_parameters().items()}
+        params = {k: v.detach().float() for k, v in named.items()}
         missing, unexpected = model.load_state_dict(params, strict=False)
         if missing or unexpected:
             raise RuntimeError(f"pipeline parameter names do not match the layer list: missing {missing[:3]}, "
@@ -204,23 +208,27 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
 
 
-def make_optimizer(name: str, lr: float):
+def make_optimizer(name: str, lr: float, fused: bool = False):
+    """fused=True: torch's fused implementation of the same update (the fastest torch step on CPU)."""
+    extra = {"fused": True} if fused else {}
     if name == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, **extra)
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, **extra)
     if name == "adam":
-        return lambda ps: torch.optim.Adam(ps, lr=lr)
+        return lambda ps: torch.optim.Adam(ps, lr=lr, **extra)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
 
 
-def build_pipeline(method: str, task: "Task", cfg: dict, window: int):
-    """The emulated pipeline `method` trains with, and the micro-batch size and Pipeline arguments it used."""
+def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=None, fused: bool = False):
+    """The emulated pipeline `method` trains with, and the micro-batch size and Pipeline arguments it used.
+    ``cfg``: devices, mbs, optimizer, lr (a suite's settings); ``fused``: torch's fused optimizer step."""
     from pipeoptim.train import Pipeline
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
-    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer(cfg["optimizer"], cfg["lr"]),
-                    devices=D, emulate=True, **kw)
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn,
+                    optimizer=make_optimizer(cfg["optimizer"], cfg["lr"], fused), devices=D, emulate=True,
+                    balance=balance, **kw)
     if method in ABLATION:     # the constant s rules need each stage's place, which Pipeline does not pass
         for w in pipe.workers:
             for chunk, st in w.stages.items():

@@ -230,11 +230,13 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
 
 
 def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = None, repeats: int = 5,
-                   warmup: int = 2, split: bool = False) -> dict:
+                   warmup: int = 2, split: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Measure each stage module's forward and backward time (seconds) on this machine, one micro-batch.
 
     ``stages`` are torch modules applied in sequence to ``example_input``; ``loss_fn(output)`` turns the last
-    output into a scalar (default: sum). Returns ``forward``, ``backward`` (per-stage medians),
+    output into a scalar (default: sum). ``clock``: wall time by default; ``time.thread_time`` measures the
+    CPU time of this thread instead, which other processes on a shared machine do not inflate (with one torch
+    thread every op runs on the calling thread). Returns ``forward``, ``backward`` (per-stage medians),
     ``activation_bytes`` (each stage's output size) and ``param_bytes`` (per stage), ready for
     ``Costs.from_measurements(r["forward"], r["backward"], activation_bytes=r["activation_bytes"],
     param_bytes=r["param_bytes"])``. ``split=True`` also times the runtime's split backward, the input pass
@@ -252,9 +254,9 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
         inputs, outputs = [], []
         for k, stage in enumerate(stages):
             x = x.detach().requires_grad_(x.is_floating_point())
-            t0 = time.perf_counter()
+            t0 = clock()
             y = stage(x)
-            t1 = time.perf_counter()
+            t1 = clock()
             inputs.append(x)
             outputs.append(y)
             out_bytes[k] = float(y.numel() * y.element_size())
@@ -268,12 +270,12 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
         inputs, outputs = forward(record)
         grad = None
         for k in reversed(range(n)):
-            t0 = time.perf_counter()
+            t0 = clock()
             if grad is None:
                 loss_fn(outputs[k]).backward()
             else:
                 torch.autograd.backward(outputs[k], grad)
-            t1 = time.perf_counter()
+            t1 = clock()
             grad = inputs[k].grad
             if record:
                 times["backward"][k].append(t1 - t0)
@@ -283,11 +285,11 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
             grad = None
             for k in reversed(range(n)):
                 out, gout = ((loss_fn(outputs[k]),), None) if grad is None else ((outputs[k],), (grad,))
-                t0 = time.perf_counter()
+                t0 = clock()
                 (grad,), work = input_pass(out, gout, (inputs[k],), list(stages[k].parameters()))
-                t1 = time.perf_counter()
+                t1 = clock()
                 weight_pass(work)
-                t2 = time.perf_counter()
+                t2 = clock()
                 if record:
                     times["backward_input"][k].append(t1 - t0)
                     times["backward_weight"][k].append(t2 - t1)

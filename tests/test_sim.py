@@ -142,3 +142,16 @@ def test_split_costs_default_to_half_the_backward_and_scale_like_it():
     assert r.busy[0] == pytest.approx(2 * 3 * (0.5 + 1.0 + 0.5))
     with pytest.raises(ValueError, match="backward_weight must be positive"):
         simulate(s, Costs(backward_weight=0.0))
+
+
+def test_profile_stages_reads_the_clock_it_is_given():
+    """A clock that advances one unit per reading times every forward and backward as exactly one unit (the
+    benchmarks pass time.thread_time: CPU time, which other processes on a shared machine do not inflate)."""
+    import itertools
+
+    import torch
+    ticks = itertools.count()
+    stages = [torch.nn.Linear(8, 8) for _ in range(3)]
+    p = profile_stages(stages, torch.randn(2, 8), repeats=3, warmup=1, clock=lambda: float(next(ticks)))
+    assert p["forward"] == [1.0] * 3 and p["backward"] == [1.0] * 3
+    assert next(ticks) == 2 * 2 * 3 * (3 + 1)  # two readings per op, forward and backward, 3 stages, 4 passes

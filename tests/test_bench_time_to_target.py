@@ -1,0 +1,248 @@
+"""benchmarks/bench_time_to_target.py: its --quick study end to end, its time model on hand-made costs with known
+closed forms, the snapshots it evaluates, and resuming."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_time_to_target.py")
+_spec = importlib.util.spec_from_file_location("bench_time_to_target", _PATH)
+ttt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_time_to_target"] = ttt  # dataclasses look their module up while the class is made
+_spec.loader.exec_module(ttt)
+bc = ttt.bc
+QUICK = ttt.WORKLOADS["quick"]
+
+
+@pytest.fixture(autouse=True)
+def restore_policy_registry():
+    """The s ablation registers an extra policy in the global registry; undo it so other tests see the built-ins."""
+    from pipeoptim.policies import POLICIES
+    before = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)
+
+
+def _crossing(curve, target, higher_is_better):
+    """The test's own statement of 'updates to target': linear interpolation between evaluations."""
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if v1 is None or (isinstance(v1, float) and math.isnan(v1)):
+            return None
+        hit = v1 >= target if higher_is_better else v1 <= target
+        if hit:
+            return s0 + (s1 - s0) * (target - v0) / (v1 - v0)
+    return None
+
+
+def test_updates_to_interpolates_and_stops_at_divergence():
+    gpt = ttt.WORKLOADS["gpt16"]
+    curve = [(0, 3.0), (32, 2.6), (64, 2.2)]
+    assert ttt.updates_to(curve, 2.4, gpt) == pytest.approx(48.0)
+    assert ttt.updates_to(curve, 2.6, gpt) == pytest.approx(32.0)
+    assert ttt.updates_to(curve, 2.0, gpt) is None
+    assert ttt.updates_to([(0, 3.0), (32, float("nan")), (64, 2.0)], 2.4, gpt) is None
+    assert ttt.updates_to([(0, 0.1), (4, 0.2), (8, 0.3)], 0.25, QUICK) == pytest.approx(6.0)  # accuracy: higher
+
+
+def _uniform_costs(wl, unit=1e-3, overhead=None):
+    """Every layer: forward = backward = `unit` seconds per sample; no policy work unless `overhead` says."""
+    layers = 8  # the digits net
+    layer_rows = [{"layer": j, "microbatch_size": b, "forward_s": unit * b, "backward_s": unit * b}
+                  for j in range(layers) for b in ttt.microbatch_sizes(wl)]
+    stage_rows = []
+    for D in wl.depths:
+        for k in range(D):
+            for v in ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code"):
+                o = (overhead or {}).get(v, (0.0, 0.0, 0.0))
+                stage_rows.append({"devices": D, "stage": k, "variant": v, "forward_overhead_s": o[0],
+                                   "backward_overhead_s": o[1], "step_s": o[2]})
+    return ttt.MeasuredCosts(wl, layer_rows, stage_rows)
+
+
+@pytest.mark.parametrize("D", [2, 4])
+def test_time_per_update_matches_closed_forms(D):
+    wl = dataclasses.replace(QUICK, batch=8, window=8)
+    costs = _uniform_costs(wl)
+    u = 1e-3
+    per_sample_stage = 2 * (8 // D) * u          # forward + backward of one sample on one stage
+    # 1F1B and GPipe, uniform stages: (N + D - 1)(F + B); best N is the largest (8 micro-batches of 1 sample)
+    for name in ("1f1b", "gpipe"):
+        t = costs.time_per_update(name, D, "none")
+        assert t["microbatches"] == 8
+        assert t["time_s"] == pytest.approx((8 + D - 1) * per_sample_stage)
+    # interleaved, v = 2, F = B: (F + B)(N + (D - 1)/v) per update
+    t = costs.time_per_update("interleaved", D, "none")
+    assert t["time_s"] == pytest.approx(8 * per_sample_stage * (1 + (D - 1) / (2 * 8)))
+    # BitPipe can do no better than each device's own work (the whole batch through its share of the model)
+    t = costs.time_per_update("bitpipe", D, "none")
+    assert t["time_s"] >= 8 * per_sample_stage * (1 - 1e-9) and t["variant"] in ("reference", "paced")
+    # async 1F1B: a window of W micro-batches of the whole batch takes (W + D - 1)(F + B), W updates
+    W = wl.window
+    t = costs.time_per_update("async-1f1b", D, "pipeoptim")
+    assert t["time_s"] == pytest.approx((W + D - 1) * 8 * per_sample_stage / W)
+    # 2BW: micro-batches of batch/D, one update per D of them: the same time per update here
+    t2 = costs.time_per_update("2bw", D, "2bw")
+    assert t2["microbatch_size"] == 8 // D and t2["time_s"] == pytest.approx(t["time_s"])
+    # costs already proportional to samples: the "compute ∝ samples" scenario is the same
+    assert costs.time_per_update("1f1b", D, "none", linear=True)["time_s"] == pytest.approx(
+        costs.time_per_update("1f1b", D, "none")["time_s"])
+
+
+def test_policy_work_is_charged_to_its_method_only():
+    wl = dataclasses.replace(QUICK, batch=8, window=8)
+    plain = _uniform_costs(wl)
+    extra = _uniform_costs(wl, overhead={"pipeoptim": (1e-4, 0.0, 2e-4)})
+    assert extra.time_per_update("async-1f1b", 4, "pipeoptim")["time_s"] > \
+        plain.time_per_update("async-1f1b", 4, "pipeoptim")["time_s"] + 2e-4
+    assert extra.time_per_update("async-1f1b", 4, "stash")["time_s"] == \
+        plain.time_per_update("async-1f1b", 4, "stash")["time_s"]
+
+
+def _task_and_pipe(method, D, lr=0.01, window=8):
+    import torch
+    torch.manual_seed(0)
+    task = bc.Task("digits", 0)
+    pipe, mb, kw = bc.build_pipeline(method, task, dict(devices=D, mbs=8, optimizer="sgd", lr=lr), window)
+    return task, pipe, kw, mb
+
+
+def test_snapshots_are_the_weights_after_that_many_updates(one_thread):
+    import torch
+    task, pipe, kw, mb = _task_and_pipe("sync", 2)
+    snaps = ttt.Snapshots(pipe, every=2)
+    for _ in range(4):
+        pipe.train_step(task.batch(mb))
+    taken = snaps.take()
+    assert [c for c, _ in taken] == [2, 4] and snaps.take() == []
+    final = pipe.named_parameters()
+    assert set(taken[1][1]) == set(final)
+    assert all(torch.equal(taken[1][1][n], final[n]) for n in final)
+    task2, pipe2, _, _ = _task_and_pipe("sync", 2)   # the same run stopped after 2 updates
+    for _ in range(2):
+        pipe2.train_step(task2.batch(mb))
+    assert all(torch.equal(taken[0][1][n], p) for n, p in pipe2.named_parameters().items())
+
+
+@pytest.mark.parametrize("method", ["stash", "pipeoptim-exact", "2bw"])
+def test_async_snapshot_at_window_end_is_the_final_model(one_thread, method):
+    import torch
+    task, pipe, kw, mb = _task_and_pipe(method, 2)
+    per_update = 2 if method == "2bw" else 1
+    snaps = ttt.Snapshots(pipe, every=2 if method == "2bw" else 4)
+    pipe.train_step(task.batch(mb * kw["microbatches"]))
+    taken = snaps.take()
+    last = 8 // per_update
+    assert [c for c, _ in taken] == ([2, 4] if method == "2bw" else [4, 8]) and taken[-1][0] == last
+    final = pipe.named_parameters()
+    assert all(torch.equal(taken[-1][1][n], final[n]) for n in final)
+    assert any(not torch.equal(taken[0][1][n], final[n]) for n in final)  # mid-window copy is an earlier model
+    wl = dataclasses.replace(QUICK, updates=8 // per_update * 2, eval_every=2 if method == "2bw" else 4)
+    task, pipe, kw, mb = _task_and_pipe(method, 2)
+    curve, diverged, _ = ttt.train_with_snapshots(pipe, task, wl, mb * kw["microbatches"],
+                                                  kw["microbatches"] // per_update)
+    assert not diverged and curve[-1][0] == wl.updates
+    assert curve[-1][1] == task.evaluate(pipe)["acc"]
+
+
+def test_divergence_ends_the_run_and_is_recorded(one_thread):
+    row = ttt.run_curve("quick", "pipeoptim-exact", 2, 30.0, 0)
+    assert row["diverged"] is True and math.isnan(row["final"])
+    curve = json.loads(row["curve"])
+    assert curve[-1][1] is None and curve[0][0] == 0
+
+
+def _summary(out):
+    with open(os.path.join(out, "time_to_target_quick_summary.csv"), newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.mark.slow
+def test_quick_study_end_to_end_and_resume(tmp_path, one_thread, capsys, monkeypatch):
+    out = str(tmp_path)
+    assert ttt.main(["--quick", "--out", out, "--jobs", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "D = 2:" in text and "D = 4:" in text and "s ablation, PipeOptim at D = 4" in text
+    runs = ttt.read_runs(os.path.join(out, "time_to_target_quick_runs.csv"))
+    wl = QUICK
+    seed0 = wl.seeds[0]
+    # every (run, depth, lr) of the sweep ran once; sync once for every depth
+    sweep = defaultdict(list)
+    for r in runs:
+        if r["seed"] == seed0 and r["lr"] in wl.lrs and r["method"] not in ttt.ABLATION:
+            sweep[(r["method"], r["devices"])].append(r)
+    assert set(sweep) == {("sync", 0)} | {(m, d) for m in ttt.ASYNC_RUNS for d in wl.depths}
+    assert all(sorted(r["lr"] for r in rs) == sorted(wl.lrs) for rs in sweep.values())
+    assert sum(r["diverged"] for r in runs) >= 3  # lr 30 diverges
+
+    def best(rs):  # the test's own statement of "each method at its own best lr"
+        ok = [r for r in rs if not r["diverged"]]
+        hits = [(_crossing(r["curve"], wl.targets[0], True), r) for r in ok]
+        hits = [(u, r) for u, r in hits if u is not None]
+        if hits:
+            return min(hits, key=lambda x: (x[0], x[1]["lr"]))[1]["lr"]
+        return max(ok, key=lambda r: float(r["final"]))["lr"]
+
+    summary = [r for r in _summary(out) if float(r["target"]) == wl.targets[0]]
+    assert {(r["method"], int(r["devices"])) for r in summary} >= {(m, d) for m in ttt.METHODS for d in wl.depths}
+    for s in summary:
+        run = ttt.METHODS.get(s["method"], (s["method"],))[0]
+        rd = 0 if run == "sync" else int(s["devices"])
+        lr = float(s["lr"])
+        if s["method"] in ttt.ABLATION:
+            assert lr == float(next(x["lr"] for x in summary if x["method"] == "pipeoptim"
+                                    and x["devices"] == s["devices"]))
+        else:
+            assert lr == best(sweep[(run, rd)]), s
+            # divergences of the sweep are counted, and a diverged lr is never the one chosen
+            assert int(s["diverged_sweep"]) == sum(r["diverged"] for r in sweep[(run, rd)])
+            assert not any(r["diverged"] for r in sweep[(run, rd)] if r["lr"] == lr)
+        at = [r for r in runs if r["method"] == run and r["devices"] == rd and r["lr"] == lr]
+        assert sorted(r["seed"] for r in at) == list(wl.seeds) and int(s["seeds"]) == len(wl.seeds)
+        ups = [_crossing(r["curve"], wl.targets[0], True) for r in at if not r["diverged"]]
+        ups = [u for u in ups if u is not None]
+        assert int(s["reached"]) == len(ups)
+        if ups:  # time to target = updates to target x time per update, both as measured
+            assert float(s["updates_mean"]) == pytest.approx(statistics.mean(ups))
+            assert float(s["time_to_target_s"]) == pytest.approx(statistics.mean(ups) * float(s["time_per_update_s"]))
+        else:
+            assert s["time_to_target_s"] == ""
+        assert float(s["time_per_update_s"]) > 0
+    for D in wl.depths:  # the synchronous schedules share one convergence run, not one time per update
+        sync = [s for s in summary if s["method"] in ("gpipe", "1f1b", "interleaved", "bitpipe")
+                and int(s["devices"]) == D]
+        assert len({(s["lr"], s["updates_mean"]) for s in sync}) == 1
+        assert len({s["time_per_update_s"] for s in sync}) > 1
+    assert os.path.exists(os.path.join(out, "time_to_target_quick_D4.png"))
+
+    # resume: nothing left to run
+    path = os.path.join(out, "time_to_target_quick_runs.csv")
+    before = open(path).read()
+
+    def no_more(*a, **k):
+        raise AssertionError(f"a finished run was run again: {a}")
+    monkeypatch.setattr(ttt, "run_curve", no_more)
+    ttt.run_study(wl, out, jobs=1, threads=1)
+    assert open(path).read() == before
+    # a run lost to a crash (its row missing) is the only one run again
+    lines = before.splitlines(keepends=True)
+    with open(path, "w") as fh:
+        fh.writelines(lines[:-1])
+    lost = list(csv.DictReader([lines[0], lines[-1]]))[0]
+    calls = []
+    typed = dict(lost, final=float(lost["final"]), diverged=lost["diverged"] == "True")
+    monkeypatch.setattr(ttt, "run_curve", lambda *a: calls.append(a) or typed)
+    ttt.run_study(wl, out, jobs=1, threads=1)
+    assert calls == [("quick", lost["method"], int(lost["devices"]), float(lost["lr"]), int(lost["seed"]))]
+    assert len(ttt.read_runs(path)) == len(lines) - 1
