@@ -52,7 +52,8 @@ FIELDS = ["kind", "mode", "device", "precision", "policy", "model_params", "d_mo
           "microbatches", "microbatch_size", "rank", "stage", "stage_params", "param_bytes", "grad_bytes",
           "optim_bytes", "pred_bytes", "state_bytes", "state_frac_of_model", "peak_rss_mib", "peak_gpu_mib",
           "build_s", "window_s", "window_s_all", "window_s_without_prediction", "window_s_without_all",
-          "tokens_per_window", "predict_pass_ms", "prediction_s_per_window", "separate_predictions",
+          "tokens_per_window", "predict_pass_ms", "prediction_s_per_window", "prediction_separate_s",
+          "prediction_fused_extra_s", "separate_predictions",
           "fused_steps", "window_s_none", "prediction_share", "prediction_share_by_parts", "note"]
 
 
@@ -175,17 +176,19 @@ class PredictionClock:
 
     def prediction(self, records: dict) -> dict:
         """Seconds of prediction work in one window's records: separate passes, plus each fused step+predict
-        minus the stage's median plain step."""
-        total, separate, fused = 0.0, 0, 0
+        minus the stage's median plain step (that extra is below 0 where the fused call beats torch's own
+        step, as on a tiny model, where per-call overhead dominates)."""
+        separate_s, fused_extra_s, separate, fused = 0.0, 0.0, 0, 0
         for (stage, kind), times in records.items():
             if kind == "predict":
-                total += sum(times)
+                separate_s += sum(times)
                 separate += len(times)
             elif kind == "fused":
                 plain = self.calls.get((stage, "step", False))
-                total += sum(times) - (statistics.median(plain) if plain else 0.0) * len(times)
+                fused_extra_s += sum(times) - (statistics.median(plain) if plain else 0.0) * len(times)
                 fused += len(times)
-        return {"seconds": total, "separate": separate, "fused": fused}
+        return {"seconds": separate_s + fused_extra_s, "separate_s": separate_s, "fused_extra_s": fused_extra_s,
+                "separate": separate, "fused": fused}
 
 
 def measure(cfg: dict) -> list[dict]:
@@ -263,6 +266,9 @@ def measure(cfg: dict) -> list[dict]:
                              "window_s_without_all": " ".join(f"{t:.4f}" for t in times_off),
                              "prediction_share": round(1 - statistics.median(times_off) / statistics.median(times), 4),
                              "prediction_s_per_window": round(statistics.mean(p["seconds"] for p, _ in parts), 4),
+                             "prediction_separate_s": round(statistics.mean(p["separate_s"] for p, _ in parts), 4),
+                             "prediction_fused_extra_s": round(statistics.mean(p["fused_extra_s"] for p, _ in parts),
+                                                               4),
                              "separate_predictions": parts[-1][0]["separate"], "fused_steps": parts[-1][0]["fused"],
                              "prediction_share_by_parts": round(statistics.mean(p["seconds"] / t for p, t in parts), 4)}
                             if ab else {}),
@@ -396,6 +402,12 @@ def main(argv=None) -> int:
     if args.csv:
         os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
         new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+        if not new:
+            with open(args.csv, newline="") as f:
+                header = next(csv.reader(f), [])
+            if header != FIELDS:
+                sys.exit(f"bench_large: {args.csv} has other columns than this version writes (an older run's "
+                         "file?): pass a new --csv path, or move that file away")
         out = open(args.csv, "a", newline="")
         writer = csv.DictWriter(out, fieldnames=FIELDS)
         if new:

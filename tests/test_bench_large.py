@@ -53,11 +53,16 @@ def test_quick_emulated_run_writes_stage_rows_and_the_share(tmp_path):
     for x in stages:
         if x["policy"] == "pipeoptim":
             assert int(x["separate_predictions"]) + int(x["fused_steps"]) == predicting > 0
-            assert 0 < float(x["prediction_s_per_window"]) < float(x["window_s"])
+            # separate passes always cost time; a fused step+predict minus the plain step can be below 0 here (the
+            # tiny model's fused call beats torch's own step: CI saw -0.0009 s), so the sum is checked as a sum
+            separate, extra = float(x["prediction_separate_s"]), float(x["prediction_fused_extra_s"])
+            assert 0 < separate < float(x["window_s"])
+            assert float(x["prediction_s_per_window"]) == pytest.approx(separate + extra, abs=2e-4)
+            assert abs(extra) < float(x["window_s"])
     (share,) = [x for x in rows if x["kind"] == "share"]
     t_on, t_off = float(share["window_s"]), float(share["window_s_without_prediction"])
     assert float(share["prediction_share"]) == pytest.approx(1 - t_off / t_on, abs=1e-3)
-    assert 0 < float(share["prediction_share_by_parts"]) < 1
+    assert abs(float(share["prediction_share_by_parts"])) < 1
     assert float(share["window_s_none"]) > 0
 
 
@@ -85,3 +90,11 @@ def test_bad_policy_and_a_model_too_big_are_refused():
     assert r.returncode == 2 and "--policies" in r.stderr
     r = run("--params", "1e13")
     assert r.returncode == 2 and "use a smaller --params" in r.stderr
+
+
+def test_a_csv_with_other_columns_is_refused_untouched(tmp_path):
+    old = tmp_path / "old.csv"
+    old.write_text("kind,mode,window_s\nstage,emulate,1.0\n")   # a file from a version with other columns
+    r = run("--quick", "--mode", "emulate", "--csv", str(old))
+    assert r.returncode != 0 and "has other columns than this version writes" in r.stderr, r.stderr
+    assert old.read_text() == "kind,mode,window_s\nstage,emulate,1.0\n"
