@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The kernel and runtime tests once more under the oldest torch this project supports: torch 2.11.0 with
 # triton 3.6.0, what the lent GPU machine has. Only the tests of what a torch version can change run here
-# (OLDEST_TORCH_TESTS below: the kernels on every CPU backend, the flat buffers and the predictor, the
-# policies, the runtime on one process and on several over gloo, checkpoints, torch's own pipelining
-# runtime, the build); the schedules, the simulator and pictures, the fault drills, the models and the
-# benchmarks' tests run in the main pass only, which keeps CI within its 20 minutes. It runs in a venv
-# cached under the clone (.venv/torch-2.11.0/, ignored by git), with the extension built there for that
-# torch (CUDA code for sm_90, the GPU machine's target) by setup.py, and loaded from there through
-# PIPEOPTIM_KERNELS_BUILD. scripts/test.sh calls this after the main suite; alone (after scripts/install.sh):
+# (OLDEST_TORCH_TESTS below: the kernels on every CPU backend and compiled by Triton for sm_80/sm_90, the
+# flat buffers and the predictor, the policies, the runtime on one process and on several over gloo,
+# checkpoints, torch's own pipelining runtime, the build, the GPU script's dry run); the schedules, the
+# simulator and pictures, the fault drills, the models and the other benchmarks' tests run in the main pass
+# only, which keeps CI within its 20 minutes. It runs in a venv cached under the clone (.venv/torch-2.11.0/,
+# ignored by git), with the extension built there for that torch (CUDA code for sm_90, the GPU machine's
+# target) by setup.py, and loaded from there through PIPEOPTIM_KERNELS_BUILD. scripts/test.sh calls this
+# after the main suite; alone (after scripts/install.sh):
 #     bash scripts/test_oldest_torch.sh [pytest arguments]
 # The first run downloads torch's CUDA wheel (about 0.5 GB). Importing that torch needs CUDA 13's runtime
 # libraries even on a CPU; they are not downloaded again (about 3 GB): the venv links the ones the main
@@ -67,9 +68,10 @@ export PIPEOPTIM_KERNELS_BUILD="$VENV/build/lib" TRITON_INTERPRET="${TRITON_INTE
 export PATH="$PWD/$VENV/bin:$PATH"  # subprocesses (python3, gpu_check.sh's steps) use this torch too
 "$VPY" -c "import torch, triton, pipeoptim_kernels as pk; print(f'torch {torch.__version__}, triton \
 {triton.__version__}: backends {pk.available_backends()}')"
-OLDEST_TORCH_TESTS=(tests/test_kernels_*.py tests/test_triton_backend.py tests/test_build.py tests/test_flat.py
-                    tests/test_predictor.py tests/test_policies.py tests/test_runtime.py tests/test_checkpoint.py
-                    tests/test_torch_pipelining_csv.py)
+OLDEST_TORCH_TESTS=(tests/test_kernels_*.py tests/test_triton_backend.py tests/test_triton_targets.py
+                    tests/test_build.py tests/test_flat.py tests/test_predictor.py tests/test_policies.py
+                    tests/test_runtime.py tests/test_checkpoint.py tests/test_torch_pipelining_csv.py
+                    tests/test_gpu_check.py)
 set +e
 "$VPY" -m pytest -q -p no:cacheprovider "${OLDEST_TORCH_TESTS[@]}" "$@"
 status=$?
