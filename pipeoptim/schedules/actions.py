@@ -119,83 +119,44 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
+class _MicrobatchAction:
+    """The fields and checks the four compute actions share; each is its own type (actions of two kinds on the
+    same micro-batch and stage are never equal)."""
+    mb: int
+    stage: int
+    replica: int = 0
+
+    def __post_init__(self):
+        _check_index("mb", self.mb)
+        _check_index("stage", self.stage)
+        _check_replica(self.replica)
+
+    @property
+    def chunk(self) -> Chunk:
+        return Chunk(self.replica, self.stage)
+
+    def __str__(self):
+        return format_action(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Forward(_MicrobatchAction):
     """Forward of micro-batch ``mb`` through stage ``stage`` of replica ``replica``."""
-    mb: int
-    stage: int
-    replica: int = 0
-
-    def __post_init__(self):
-        _check_index("mb", self.mb)
-        _check_index("stage", self.stage)
-        _check_replica(self.replica)
-
-    @property
-    def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
-
-    def __str__(self):
-        return format_action(self)
 
 
 @dataclass(frozen=True, slots=True)
-class Backward:
+class Backward(_MicrobatchAction):
     """Backward of micro-batch ``mb`` through stage ``stage`` of replica ``replica``."""
-    mb: int
-    stage: int
-    replica: int = 0
-
-    def __post_init__(self):
-        _check_index("mb", self.mb)
-        _check_index("stage", self.stage)
-        _check_replica(self.replica)
-
-    @property
-    def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
-
-    def __str__(self):
-        return format_action(self)
 
 
 @dataclass(frozen=True, slots=True)
-class BackwardInput:
+class BackwardInput(_MicrobatchAction):
     """Input-gradient half of micro-batch ``mb``'s backward through stage ``stage`` (token ``I``)."""
-    mb: int
-    stage: int
-    replica: int = 0
-
-    def __post_init__(self):
-        _check_index("mb", self.mb)
-        _check_index("stage", self.stage)
-        _check_replica(self.replica)
-
-    @property
-    def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
-
-    def __str__(self):
-        return format_action(self)
 
 
 @dataclass(frozen=True, slots=True)
-class BackwardWeight:
+class BackwardWeight(_MicrobatchAction):
     """Weight-gradient half of micro-batch ``mb``'s backward through stage ``stage`` (token ``W``)."""
-    mb: int
-    stage: int
-    replica: int = 0
-
-    def __post_init__(self):
-        _check_index("mb", self.mb)
-        _check_index("stage", self.stage)
-        _check_replica(self.replica)
-
-    @property
-    def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
-
-    def __str__(self):
-        return format_action(self)
 
 
 Compute = Union[Forward, Backward, BackwardInput, BackwardWeight]
