@@ -39,3 +39,14 @@ def backend(request):
         yield "cpu"
     finally:
         _C.set_cpu_stream(previous)
+
+
+@pytest.fixture
+def restore_policy_registry():
+    """Undo policies a test registers in the global registry (the benchmarks' ablations add some), so the
+    tests after it see the built-ins only."""
+    from pipeoptim.policies import POLICIES
+    before = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(before)

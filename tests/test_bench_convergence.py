@@ -17,14 +17,7 @@ _spec.loader.exec_module(bc)
 TINY = dict(task="digits", devices=2, optimizer="sgd", lr=0.01, steps=8, mbs=8, eval_every=4, target=0.5)
 
 
-@pytest.fixture(autouse=True)
-def restore_policy_registry():
-    """The async-zb ablation registers a policy in the global registry; undo it so other tests see the built-ins."""
-    from pipeoptim.policies import POLICIES
-    before = dict(POLICIES)
-    yield
-    POLICIES.clear()
-    POLICIES.update(before)
+pytestmark = pytest.mark.usefixtures("restore_policy_registry")  # the ablations register policies
 
 
 def test_method_config_matches_samples_per_update():

@@ -25,14 +25,7 @@ bc = ttt.bc
 QUICK = ttt.WORKLOADS["quick"]
 
 
-@pytest.fixture(autouse=True)
-def restore_policy_registry():
-    """The s ablation registers an extra policy in the global registry; undo it so other tests see the built-ins."""
-    from pipeoptim.policies import POLICIES
-    before = dict(POLICIES)
-    yield
-    POLICIES.clear()
-    POLICIES.update(before)
+pytestmark = pytest.mark.usefixtures("restore_policy_registry")  # the ablations register policies
 
 
 def _crossing(curve, target, higher_is_better):
