@@ -233,60 +233,74 @@ def profile_stages(stages: Sequence, example_input, loss_fn: Callable | None = N
                    warmup: int = 2, split: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Measure each stage module's forward and backward time (seconds) on this machine, one micro-batch.
 
-    ``stages`` are torch modules applied in sequence to ``example_input``; ``loss_fn(output)`` turns the last
-    output into a scalar (default: sum). ``clock``: wall time by default; ``time.thread_time`` measures the
-    CPU time of this thread instead, which other processes on a shared machine do not inflate (with one torch
-    thread every op runs on the calling thread). Returns ``forward``, ``backward`` (per-stage medians),
-    ``activation_bytes`` (each stage's output size) and ``param_bytes`` (per stage), ready for
-    ``Costs.from_measurements(r["forward"], r["backward"], activation_bytes=r["activation_bytes"],
-    param_bytes=r["param_bytes"])``. ``split=True`` also times the runtime's split backward, the input pass
-    and the weight pass (``backward_input``, ``backward_weight``), in every repeat after the full backward.
+    ``stages`` are torch modules applied in sequence to ``example_input`` (a tensor, or a tuple of tensors: a
+    stage returning a tuple feeds the next one's arguments, as in a pipeline cut of a Hugging Face model);
+    ``loss_fn(output)`` turns the last output into a scalar (default: the sum of its floating-point parts).
+    ``clock``: wall time by default; ``time.thread_time`` measures the CPU time of this thread instead, which
+    other processes on a shared machine do not inflate (with one torch thread every op runs on the calling
+    thread). Returns ``forward``, ``backward`` (per-stage medians), ``activation_bytes`` (the size of each
+    stage's outputs) and ``param_bytes`` (per stage), ready for ``Costs.from_measurements(r["forward"],
+    r["backward"], activation_bytes=r["activation_bytes"], param_bytes=r["param_bytes"])``. ``split=True``
+    also times the runtime's split backward, the input pass and the weight pass (``backward_input``,
+    ``backward_weight``), in every repeat after the full backward.
     """
     import torch  # imported here so that schedule tooling never needs torch
 
-    loss_fn = loss_fn or (lambda out: out.float().sum())
+    def as_tuple(v) -> tuple:
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+    def sum_of_floats(out):
+        return sum(t.float().sum() for t in as_tuple(out) if t.is_floating_point())
+
+    loss_fn = loss_fn or sum_of_floats
     n = len(stages)
     times = {k: [[] for _ in stages] for k in ("forward", "backward", "backward_input", "backward_weight")}
     out_bytes = [0.0] * n
 
     def forward(record: bool):
-        x = example_input.detach()
+        xs = as_tuple(example_input)
         inputs, outputs = [], []
         for k, stage in enumerate(stages):
-            x = x.detach().requires_grad_(x.is_floating_point())
+            xs = tuple(x.detach().requires_grad_(x.is_floating_point()) for x in xs)
             t0 = clock()
-            y = stage(x)
+            y = stage(*xs)
             t1 = clock()
-            inputs.append(x)
+            inputs.append(xs)
             outputs.append(y)
-            out_bytes[k] = float(y.numel() * y.element_size())
+            out_bytes[k] = float(sum(t.numel() * t.element_size() for t in as_tuple(y)))
             if record:
                 times["forward"][k].append(t1 - t0)
-            x = y
+            xs = as_tuple(y)
         return inputs, outputs
+
+    def carrying(k: int, grads) -> tuple[list, list | None]:
+        """Stage k's outputs that carry a gradient and those gradients (the last stage: its loss, gradient 1)."""
+        if grads is None:
+            return [loss_fn(outputs[k])], None
+        pairs = [(y, g) for y, g in zip(as_tuple(outputs[k]), grads) if g is not None and y.requires_grad]
+        return [y for y, _ in pairs], [g for _, g in pairs]
 
     for rep in range(warmup + repeats):
         record = rep >= warmup
         inputs, outputs = forward(record)
-        grad = None
+        grads = None
         for k in reversed(range(n)):
             t0 = clock()
-            if grad is None:
-                loss_fn(outputs[k]).backward()
-            else:
-                torch.autograd.backward(outputs[k], grad)
+            outs, gouts = carrying(k, grads)
+            if outs:
+                torch.autograd.backward(outs, gouts)
             t1 = clock()
-            grad = inputs[k].grad
+            grads = [x.grad for x in inputs[k]]
             if record:
                 times["backward"][k].append(t1 - t0)
         if split:
             from .runtime.split_backward import input_pass, weight_pass
             inputs, outputs = forward(False)
-            grad = None
+            grads = None
             for k in reversed(range(n)):
-                out, gout = ((loss_fn(outputs[k]),), None) if grad is None else ((outputs[k],), (grad,))
+                outs, gouts = carrying(k, grads)
                 t0 = clock()
-                (grad,), work = input_pass(out, gout, (inputs[k],), list(stages[k].parameters()))
+                grads, work = input_pass(outs, gouts, inputs[k], list(stages[k].parameters()))
                 t1 = clock()
                 weight_pass(work)
                 t2 = clock()

@@ -155,3 +155,45 @@ def test_profile_stages_reads_the_clock_it_is_given():
     p = profile_stages(stages, torch.randn(2, 8), repeats=3, warmup=1, clock=lambda: float(next(ticks)))
     assert p["forward"] == [1.0] * 3 and p["backward"] == [1.0] * 3
     assert next(ticks) == 2 * 2 * 3 * (3 + 1)  # two readings per op, forward and backward, 3 stages, 4 passes
+
+
+class _TwoOut(__import__("torch").nn.Module):
+    """A stage that passes an integer tensor along with its activations (like a Hugging Face cut's position ids)."""
+
+    def __init__(self):
+        import torch
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, h, positions=None):
+        import torch
+        positions = torch.arange(h.shape[1]) if positions is None else positions
+        return self.lin(h) + positions.float().mean(), positions
+
+
+def test_profile_stages_follows_tuple_boundaries_and_backpropagates_through_every_stage():
+    import torch
+    stages = [_TwoOut() for _ in range(3)]
+    reached = []
+    for k, st in enumerate(stages):
+        st.lin.weight.register_hook(lambda g, k=k: reached.append(k))
+    p = profile_stages(stages, torch.randn(2, 8), repeats=2, warmup=1, split=True)
+    assert len(p["forward"]) == len(p["backward"]) == len(p["backward_weight"]) == 3
+    assert min(p["forward"] + p["backward"]) > 0
+    assert p["activation_bytes"] == [2 * 8 * 4.0 + 8 * 8.0] * 3                   # the float and the int64 output
+    assert reached.count(0) == reached.count(2) == 3 * 2                          # 3 passes, full and split
+    assert all(q.grad is None for st in stages for q in st.parameters())
+
+
+def test_profile_stages_times_a_hugging_face_cut():
+    import torch
+    transformers = pytest.importorskip("transformers")
+    from pipeoptim.models.hf import causal_lm_layers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=8,
+                                                                 vocab_size=32))
+    cut = causal_lm_layers(model)
+    ids = torch.randint(0, 32, (2, 8))
+    p = profile_stages(cut.layers, ids, loss_fn=lambda logits: cut.loss_fn(logits, ids), repeats=1, warmup=0)
+    assert len(p["backward"]) == 4 and min(p["forward"] + p["backward"]) > 0
+    assert p["activation_bytes"][-1] == 2 * 8 * 32 * 4.0                            # the logits
