@@ -315,21 +315,11 @@ def _hf_model(cfg: dict) -> dict:
     """Pipeline arguments for a Hugging Face model of the configured size, built on meta (no memory: each rank
     materialises its own stages from the seed)."""
     import torch
-    import transformers
 
-    from .models.hf import causal_lm_layers
+    from .models.hf import byte_level_config, causal_lm_layers
     from .runtime.config import make_schedule
-    d, h, L, T = cfg["d_model"], cfg["n_heads"], cfg["n_layers"], cfg["seq_len"]
-    common = dict(vocab_size=256, bos_token_id=0, eos_token_id=0)
-    if cfg["model"] == "hf-gpt2":
-        config = transformers.GPT2Config(n_layer=L, n_embd=d, n_head=h, n_positions=T, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
-        cls = transformers.GPT2LMHeadModel
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=L, hidden_size=d, intermediate_size=4 * d,
-                                          num_attention_heads=h, num_key_value_heads=h, max_position_embeddings=T,
-                                          **common)
-        cls = transformers.LlamaForCausalLM
+    config, cls = byte_level_config(cfg["model"].removeprefix("hf-"), d_model=cfg["d_model"],
+                                    n_heads=cfg["n_heads"], n_layers=cfg["n_layers"], seq_len=cfg["seq_len"])
     with torch.device("meta"):
         model = cls(config)
     cut = causal_lm_layers(model)

@@ -192,3 +192,16 @@ def test_four_processes_give_the_unsplit_models_loss_and_gradients():
         want_loss, want = mc.reference_grads(model, model_loss, micro_batches(inputs, labels))
         assert all(r[kind]["loss"] == pytest.approx(want_loss, rel=1e-5) for r in results), kind
         mc.assert_grads_match(grads, want, names)
+
+
+def test_byte_level_configs_build_dropout_free_models_of_the_asked_size():
+    from pipeoptim.models.hf import byte_level_config
+    config, cls = byte_level_config("gpt2", d_model=16, n_heads=2, n_layers=3, seq_len=8)
+    assert (cls, config.n_layer, config.n_embd, config.n_positions, config.vocab_size) == \
+        (transformers.GPT2LMHeadModel, 3, 16, 8, 256)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.0
+    config, cls = byte_level_config("llama", d_model=16, n_heads=2, n_layers=3, seq_len=8)
+    assert (cls, config.num_hidden_layers, config.hidden_size, config.intermediate_size) == \
+        (transformers.LlamaForCausalLM, 3, 16, 64)
+    with pytest.raises(ValueError, match="choose 'gpt2' or 'llama'"):
+        byte_level_config("bert", d_model=16, n_heads=2, n_layers=3, seq_len=8)

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["HFCut", "causal_lm_layers", "causal_lm_loss", "require_transformers"]
+__all__ = ["HFCut", "byte_level_config", "causal_lm_layers", "causal_lm_loss", "require_transformers"]
 
 
 def require_transformers():
@@ -50,6 +50,24 @@ def require_transformers():
     except ImportError:
         raise ImportError("Hugging Face models need the transformers package: pip install 'pipeoptim[hf]'") from None
     return transformers
+
+
+def byte_level_config(arch: str, *, d_model: int, n_heads: int, n_layers: int, seq_len: int):
+    """``(config, model class)`` of a small byte-level (vocabulary 256) GPT-2 (``arch="gpt2"``) or Llama
+    (``"llama"``) without dropout: the Hugging Face models the CLI and the benchmarks train on the standard
+    library's source. Build the model from it (on the meta device for a large one); nothing is downloaded."""
+    transformers = require_transformers()
+    common = dict(vocab_size=256, bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        return (transformers.GPT2Config(n_layer=n_layers, n_embd=d_model, n_head=n_heads, n_positions=seq_len,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common),
+                transformers.GPT2LMHeadModel)
+    if arch == "llama":
+        return (transformers.LlamaConfig(num_hidden_layers=n_layers, hidden_size=d_model,
+                                         intermediate_size=4 * d_model, num_attention_heads=n_heads,
+                                         num_key_value_heads=n_heads, max_position_embeddings=seq_len, **common),
+                transformers.LlamaForCausalLM)
+    raise ValueError(f"unknown architecture {arch!r}; choose 'gpt2' or 'llama'")
 
 
 @dataclass
