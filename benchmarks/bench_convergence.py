@@ -117,24 +117,49 @@ class Task:
             (self.xtr, self.ytr), (self.xte, self.yte) = digits(seed=0)  # same split for every seed
             self.layers = digits_net(seed)
             self.loss_fn = F.cross_entropy
-        elif name == "gpt":
+        elif name in ("gpt", "hfgpt2"):
             from pipeoptim.data import stdlib_corpus
-            from pipeoptim.models import GPTConfig, gpt_layers
-            from pipeoptim.models.gpt import lm_loss
+            from pipeoptim.models import GPTConfig
             self.cfg = GPTConfig(**(GPT_CFG if gpt_cfg is None else gpt_cfg))
             self.corpus = stdlib_corpus(max_bytes=2 << 20)
-            self.layers = gpt_layers(self.cfg, seed=seed)
-            self.loss_fn = lm_loss
+            if name == "gpt":
+                from pipeoptim.models import gpt_layers
+                from pipeoptim.models.gpt import lm_loss
+                self.layers, self.loss_fn = gpt_layers(self.cfg, seed=seed), lm_loss
+            else:
+                self._hf_gpt2(seed)
             g = torch.Generator().manual_seed(7)  # fixed validation windows for every run
-            self.val = [self.corpus.batch("val", 32, self.cfg.seq_len, g) for _ in range(8)]
+            self.val = [self._lm_batch("val", 32, g) for _ in range(8)]
         else:
-            raise ValueError(f"unknown task {name!r}; choose 'digits' or 'gpt'")
+            raise ValueError(f"unknown task {name!r}; choose 'digits', 'gpt' or 'hfgpt2'")
+
+    def _hf_gpt2(self, seed: int) -> None:
+        """Hugging Face's GPT-2 of the same size (vocabulary 256, no dropout), cut into embedding / blocks / head;
+        its tied input and output embeddings are one weight under a synchronous schedule and two copies that
+        start equal under an asynchronous one (``pipeline_kw``)."""
+        from pipeoptim.models.hf import byte_level_config, causal_lm_layers
+        c = self.cfg
+        config, cls = byte_level_config("gpt2", d_model=c.d_model, n_heads=c.n_heads, n_layers=c.n_layers,
+                                        seq_len=c.seq_len)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            cut = causal_lm_layers(cls(config))
+        self.layers, self.loss_fn, self.tied = cut.layers, cut.loss_fn, cut.tied
+
+    def pipeline_kw(self, synchronous: bool) -> dict:
+        """Extra Pipeline arguments of this task's model (tied embeddings of the HF GPT-2)."""
+        tied = getattr(self, "tied", [])
+        return {} if not tied else {"tied": tied} if synchronous else {"copies": tied}
+
+    def _lm_batch(self, split: str, size: int, gen: torch.Generator):
+        x, y = self.corpus.batch(split, size, self.cfg.seq_len, gen)
+        return (x, x) if self.name == "hfgpt2" else (x, y)  # Hugging Face's loss shifts the labels itself
 
     def batch(self, size: int):
         if self.name == "digits":
             idx = torch.randint(0, len(self.ytr), (size,), generator=self.gen)
             return self.xtr[idx], self.ytr[idx]
-        return self.corpus.batch("train", size, self.cfg.seq_len, self.gen)
+        return self._lm_batch("train", size, self.gen)
 
     def evaluate(self, pipe) -> dict:
         """Test accuracy and loss (digits) or validation loss (gpt) of the pipeline's real weights."""
@@ -154,8 +179,15 @@ class Task:
             logits = model(self.xte)
             return {"acc": (logits.argmax(1) == self.yte).float().mean().item(),
                     "loss": F.cross_entropy(logits, self.yte).item()}
-        losses = [self.loss_fn(model(x), y).item() for x, y in self.val]
+        losses = [self.loss_fn(run_layers(model, x), y).item() for x, y in self.val]
         return {"loss": sum(losses) / len(losses)}
+
+
+def run_layers(layers, x):
+    """The layers in sequence; a layer returning a tuple feeds the next one's arguments (as in a pipeline)."""
+    for layer in layers:
+        x = layer(*x) if isinstance(x, tuple) else layer(x)
+    return x
 
 
 # ---- PipeOptim predicting only up to the input-gradient pass (async-zb ablation) ------------------------------
@@ -226,9 +258,11 @@ def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=No
     from pipeoptim.train import Pipeline
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
+    from pipeoptim.schedules import get_schedule
+    synchronous = get_schedule(kw["schedule"], D, kw["microbatches"]).synchronous
     pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn,
                     optimizer=make_optimizer(cfg["optimizer"], cfg["lr"], fused), devices=D, emulate=True,
-                    balance=balance, **kw)
+                    balance=balance, **kw, **task.pipeline_kw(synchronous))
     if method in ABLATION:     # the constant s rules need each stage's place, which Pipeline does not pass
         for w in pipe.workers:
             for chunk, st in w.stages.items():

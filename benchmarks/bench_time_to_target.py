@@ -40,10 +40,12 @@ data order). Diverged runs are counted, never dropped. At the deepest pipeline P
 paper's s = D-k-1 and the public code's s = D-k (bench_convergence's s rules) at PipeOptim's best learning rate.
 
 Workloads (`--workload`): `gpt16` a byte-level GPT with 16 blocks (d=64) on the Python standard library's source,
-AdamW, D = 4, 8, 16 (D = 16: one block per stage); `digits` the 8-layer conv net on sklearn's digits, SGD-momentum,
-D = 4, 8 (the cheap suite); `quick` a seconds-long digits study for the test. Another model (e.g. HF GPT-2) is one
-more `Workload` entry with a task that bench_convergence.Task knows.
+AdamW, D = 4, 8, 16 (D = 16: one block per stage); `hfgpt2` Hugging Face's GPT-2 (transformers.GPT2LMHeadModel) of
+the same size on the same data, cut by pipeoptim.models.hf, 320 updates; `digits` the 8-layer conv net on sklearn's
+digits, SGD-momentum, D = 4, 8 (the cheap suite); `suite` all three, one after the other; `quick` a seconds-long
+digits study for the test. Another model is one more `Workload` entry with a task that bench_convergence.Task knows.
 
+    python benchmarks/bench_time_to_target.py --workload suite --jobs 2   # the whole study (resumes what is done)
     python benchmarks/bench_time_to_target.py --workload gpt16 --jobs 2   # runs what is missing (resumes), reports
     python benchmarks/bench_time_to_target.py --workload gpt16 --report   # tables and pictures from the CSVs only
     python benchmarks/bench_time_to_target.py --quick --out /tmp/ttt      # the small form the test runs
@@ -140,12 +142,20 @@ WORKLOADS = {w.name: w for w in [
     # lr: a pilot of synchronous training plateaued at 3.1 nats with 3e-3, so the sweep brackets 1e-3 from below
     Workload("gpt16", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16)),
+    # Hugging Face's GPT-2 (transformers.GPT2LMHeadModel, vocabulary 256, no dropout) of gpt16's size, cut by
+    # pipeoptim.models.hf into embedding / 16 blocks / norm+head, its tied embeddings two copies under the async
+    # schedules; ~1.4x gpt16's cost per update, so 320 updates (window 160) and a first target of 2.6 keep the
+    # whole suite under 2 hours
+    Workload("hfgpt2", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320, eval_every=32,
+             window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16)),
     Workload("digits", "digits", (4, 8), "sgd", (0.0025, 0.005, 0.01), batch=32, updates=640, eval_every=32,
              window=64, targets=(0.95, 0.97)),
     # seconds-long; lr 30 diverges on purpose (the test checks that divergences are counted, never chosen)
     Workload("quick", "digits", (2, 4), "sgd", (0.005, 0.02, 30.0), batch=8, updates=16, eval_every=4, window=8,
              targets=(0.15, 0.2), seeds=(0, 1), cost_repeats=1, overhead_iters=4),
 ]}
+
+SUITE = ("gpt16", "hfgpt2", "digits")   # --workload suite: the whole study as one command
 
 # method shown to users -> (bench_convergence method whose runs give its updates, schedule that gives its time)
 METHODS = {
@@ -439,7 +449,7 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
         h = x
         for layer in task.layers:
             inputs.append(h)
-            h = layer(h)
+            h = bc.run_layers([layer], h)
     variants = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code")
     rows = []
     for D in wl.depths:
@@ -475,7 +485,7 @@ def _policy_loop(pol, module, x, s: float, look: float, in_flight: int, iters: i
         ctx = pol.forward(i, s=s, lookahead=look)
         ctx.__enter__()
         t1 = time.thread_time()
-        y = module(x)
+        y = module(*x) if isinstance(x, tuple) else module(x)
         t2 = time.thread_time()
         ctx.__exit__(None, None, None)
         t3 = time.thread_time()
@@ -488,7 +498,8 @@ def _policy_loop(pol, module, x, s: float, look: float, in_flight: int, iters: i
             ctx = pol.backward(j, s=look)
             ctx.__enter__()
             t5 = time.thread_time()
-            torch.autograd.backward(yj, torch.ones_like(yj))
+            carried = [t for t in (yj if isinstance(yj, tuple) else (yj,)) if t.requires_grad]
+            torch.autograd.backward(carried, [torch.ones_like(t) for t in carried])
             t6 = time.thread_time()
             ctx.__exit__(None, None, None)
             t7 = time.thread_time()
@@ -891,7 +902,8 @@ def _plot(wl: Workload, rows: list[dict], costs: MeasuredCosts, out: str) -> Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS) + ["suite"],
+                    help="one or more workloads, one after the other; suite: " + " ".join(SUITE))
     ap.add_argument("--quick", action="store_true", help="the seconds-long digits study (same as --workload quick)")
     ap.add_argument("--report", action="store_true", help="only print tables and draw pictures from the CSVs")
     ap.add_argument("--jobs", type=int, default=2, help="training runs at once (each one thread); at most 2 here")
@@ -899,19 +911,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
-        args.workload = args.workload or "quick"
+        args.workload = args.workload or ["quick"]
     if not args.workload:
         ap.error("give --workload NAME (or --quick)")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
     torch.set_num_threads(args.threads)
-    wl = WORKLOADS[args.workload]
+    names = [n for name in args.workload for n in (SUITE if name == "suite" else [name])]
     print("command: python " + " ".join([os.path.relpath(os.path.abspath(__file__))] +
                                         (list(argv) if argv is not None else sys.argv[1:])), flush=True)
     t0 = time.perf_counter()
-    if not args.report:
-        run_study(wl, args.out, args.jobs, args.threads)
-    report(wl, args.out)
+    for name in dict.fromkeys(names):
+        t1 = time.perf_counter()
+        if not args.report:
+            run_study(WORKLOADS[name], args.out, args.jobs, args.threads)
+        report(WORKLOADS[name], args.out)
+        print(f"{name}: {time.perf_counter() - t1:.0f} s", flush=True)
     print(f"wall time of this command: {time.perf_counter() - t0:.0f} s")
     return 0
 

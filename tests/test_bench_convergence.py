@@ -96,3 +96,28 @@ def test_zero_bubble_methods_run_and_their_s_rules_differ(one_thread):
     losses = {m: r["final_loss"] for m, r in rows.items()}
     assert len(set(losses.values())) == 3, losses
     assert rows["zb-pipeoptim"]["extra_weight_frac_per_stage"].split() == ["1.00", "1.00"]  # the last stage predicts too
+
+
+def test_hf_gpt2_task_evaluates_like_the_unsplit_model_and_ties_its_embeddings(one_thread):
+    """The hfgpt2 task's validation loss is Hugging Face's own loss of the same model; its tied embeddings stay one
+    weight under a synchronous schedule and become two copies that start equal under an asynchronous one."""
+    import torch
+    pytest.importorskip("transformers")
+    from pipeoptim.models.hf import byte_level_config
+    cfg = dict(seq_len=8, d_model=16, n_heads=2, n_layers=2)
+    task = bc.Task("hfgpt2", 3, cfg)
+    config, cls = byte_level_config("gpt2", **cfg)
+    torch.manual_seed(3)
+    model = cls(config).eval()
+    with torch.no_grad():
+        want = sum(model(x, labels=y).loss.item() for x, y in task.val) / len(task.val)
+    assert all(torch.equal(x, y) for x, y in task.val)                 # labels are the inputs: HF shifts them
+    head, embedding = "3.lm_head.weight", "0.wte.weight"
+    for method, tied in [("sync", True), ("pipeoptim-exact", False)]:
+        pipe, mb, kw = bc.build_pipeline(method, bc.Task("hfgpt2", 3, cfg),
+                                         dict(devices=2, mbs=4, optimizer="adamw", lr=1e-2), window=4)
+        assert task.evaluate(pipe)["loss"] == pytest.approx(want, rel=1e-5)
+        for _ in range(2):
+            pipe.train_step(task.batch(mb * kw["microbatches"]))
+        p = pipe.named_parameters()
+        assert torch.equal(p[head], p[embedding]) is tied

@@ -305,3 +305,35 @@ def test_async_stash_on_the_gpt_path_is_plain_weight_stashing(one_thread):
     assert all(not torch.equal(got[n], fresh_weights[n]) for n in got if n.endswith("weight"))
     no_stale, _ = _weight_stashing_reference(copy.deepcopy(fresh), balance, data, window, lr, [0] * D)
     assert max((no_stale[n] - got[n]).abs().max().item() for n in got) > 1e-3
+
+
+def _tiny_hf(monkeypatch):
+    pytest.importorskip("transformers")
+    wl = dataclasses.replace(ttt.WORKLOADS["hfgpt2"], name="hftiny", depths=(2,), lrs=(1e-3,), batch=4, window=4,
+                             updates=8, eval_every=4, targets=(5.0,), balance=ttt.gpt_balance(2),
+                             gpt_cfg=dict(seq_len=8, d_model=16, n_heads=2, n_layers=2), cost_repeats=1,
+                             overhead_iters=2)
+    monkeypatch.setitem(ttt.WORKLOADS, wl.name, wl)
+    return wl
+
+
+def test_costs_of_the_hugging_face_workload_are_measured_through_its_tuple_boundaries(one_thread, monkeypatch):
+    wl = _tiny_hf(monkeypatch)
+    layers = ttt.measure_layer_costs(wl)
+    assert {(r["layer"], r["microbatch_size"]) for r in layers} == {(j, b) for j in range(4) for b in (1, 2, 4)}
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in layers)
+    stages = ttt.measure_stage_overheads(wl)
+    assert {(r["stage"], r["variant"]) for r in stages} == \
+        {(k, v) for k in (0, 1) for v in ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code")}
+    assert all(r["step_s"] > 0 for r in stages)
+    costs = ttt.MeasuredCosts(wl, layers, stages)
+    assert costs.time_per_update("async-1f1b", 2, "pipeoptim")["time_s"] > 0
+
+
+@pytest.mark.parametrize("method", ["sync", "pipeoptim-exact"])
+def test_a_hugging_face_gpt2_run_records_its_curve(one_thread, monkeypatch, method):
+    _tiny_hf(monkeypatch)
+    row = ttt.run_curve("hftiny", method, 0 if method == "sync" else 2, 1e-3, 0)
+    curve = json.loads(row["curve"])
+    assert not row["diverged"] and [s for s, _ in curve] == [0, 4, 8]
+    assert curve[-1][1] < curve[0][1] and row["final"] == pytest.approx(curve[-1][1], abs=1e-5)
