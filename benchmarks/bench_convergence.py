@@ -179,15 +179,10 @@ class Task:
             logits = model(self.xte)
             return {"acc": (logits.argmax(1) == self.yte).float().mean().item(),
                     "loss": F.cross_entropy(logits, self.yte).item()}
-        losses = [self.loss_fn(run_layers(model, x), y).item() for x, y in self.val]
+        from pipeoptim.train import StageModule  # runs layers whose outputs are tuples (the HF cut) like a stage
+        whole = StageModule(list(model))
+        losses = [self.loss_fn(whole(x), y).item() for x, y in self.val]
         return {"loss": sum(losses) / len(losses)}
-
-
-def run_layers(layers, x):
-    """The layers in sequence; a layer returning a tuple feeds the next one's arguments (as in a pipeline)."""
-    for layer in layers:
-        x = layer(*x) if isinstance(x, tuple) else layer(x)
-    return x
 
 
 # ---- PipeOptim predicting only up to the input-gradient pass (async-zb ablation) ------------------------------

@@ -449,7 +449,7 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
         h = x
         for layer in task.layers:
             inputs.append(h)
-            h = bc.run_layers([layer], h)
+            h = StageModule([layer])(*(h if isinstance(h, tuple) else (h,)))
     variants = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code")
     rows = []
     for D in wl.depths:
