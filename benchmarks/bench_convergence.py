@@ -250,10 +250,10 @@ def make_optimizer(name: str, lr: float, fused: bool = False):
 def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=None, fused: bool = False):
     """The emulated pipeline `method` trains with, and the micro-batch size and Pipeline arguments it used.
     ``cfg``: devices, mbs, optimizer, lr (a suite's settings); ``fused``: torch's fused optimizer step."""
+    from pipeoptim.schedules import get_schedule
     from pipeoptim.train import Pipeline
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
-    from pipeoptim.schedules import get_schedule
     synchronous = get_schedule(kw["schedule"], D, kw["microbatches"]).synchronous
     pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn,
                     optimizer=make_optimizer(cfg["optimizer"], cfg["lr"], fused), devices=D, emulate=True,
