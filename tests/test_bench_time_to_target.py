@@ -337,3 +337,16 @@ def test_a_hugging_face_gpt2_run_records_its_curve(one_thread, monkeypatch, meth
     curve = json.loads(row["curve"])
     assert not row["diverged"] and [s for s, _ in curve] == [0, 4, 8]
     assert curve[-1][1] < curve[0][1] and row["final"] == pytest.approx(curve[-1][1], abs=1e-5)
+
+
+def test_suite_runs_every_workload_once_in_order(monkeypatch, capsys, tmp_path):
+    done = []
+    monkeypatch.setattr(ttt, "run_study", lambda wl, out, jobs, threads: done.append(("run", wl.name, jobs)))
+    monkeypatch.setattr(ttt, "report", lambda wl, out: done.append(("report", wl.name)))
+    assert ttt.main(["--workload", "suite", "gpt16", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    assert done == [x for name in ("gpt16", "hfgpt2", "digits") for x in (("run", name, 2), ("report", name))]
+    printed = capsys.readouterr().out
+    assert all(f"{name}: " in printed for name in ttt.SUITE) and "wall time of this command" in printed
+    done.clear()
+    assert ttt.main(["--workload", "digits", "--report", "--out", str(tmp_path)]) == 0
+    assert done == [("report", "digits")]
