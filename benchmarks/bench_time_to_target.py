@@ -66,6 +66,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -285,9 +286,10 @@ def updates_to(curve: list[tuple[int, float]], target: float, wl: Workload) -> f
     return None
 
 
-def run_curve(workload: str, method: str, devices: int, lr: float, seed: int) -> dict:
-    """One training run in this process (one thread); the row appended to the runs CSV."""
-    wl = WORKLOADS[workload]
+def run_curve(workload: str, method: str, devices: int, lr: float, seed: int, updates: int | None = None) -> dict:
+    """One training run in this process (one thread); the row appended to the runs CSV. ``updates``: another
+    budget than the workload's (probe_equal_time.py)."""
+    wl = WORKLOADS[workload] if updates is None else dataclasses.replace(WORKLOADS[workload], updates=updates)
     t0, c0 = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
     task = bc.Task(wl.task, seed, wl.gpt_cfg)
