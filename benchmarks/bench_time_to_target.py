@@ -353,17 +353,23 @@ def run_missing(wl: Workload, todo: list[tuple], path: str, jobs: int, threads: 
         print(f"  {row['method']} D={row['devices']} lr={row['lr']} seed={row['seed']}: final {row['final']:.4f}"
               f"{' DIVERGED' if row['diverged'] else ''} ({row['wall_s']} s, cpu {row['cpu_s']} s)", flush=True)
 
+    run_curves([(wl.name, *k) for k in todo], jobs, threads, lambda _, row: report(row))
+
+
+def run_curves(calls: list[tuple], jobs: int, threads: int, done: Callable[[tuple, dict], None]) -> None:
+    """``run_curve(*call)`` for every call, `jobs` processes at a time (spawned, `threads` torch threads each);
+    ``done(call, row)`` as each finishes (in the order they finish)."""
     if jobs <= 1:
-        for k in todo:
-            report(run_curve(wl.name, *k))
+        for call in calls:
+            done(call, run_curve(*call))
         return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_worker_init,
                              initargs=(threads,)) as pool:
-        futures = [pool.submit(run_curve, wl.name, *k) for k in todo]
+        futures = {pool.submit(run_curve, *call): call for call in calls}
         for f in as_completed(futures):
-            report(f.result())
+            done(futures[f], f.result())
 
 
 # ---- choosing each method's learning rate ---------------------------------------------------------------------

@@ -49,7 +49,7 @@ def budget_for(wl: "ttt.Workload", schedule: str, devices: int, seconds: float, 
 def plan(wl, rows, costs, devices: int, methods: list[str], seeds: list[int]):
     lead, lead_s = leader(wl, rows, costs, devices)
     todo = []
-    for name in methods:
+    for name in dict.fromkeys(methods):
         run, schedule = ttt.METHODS[name]
         if run == "sync":
             raise SystemExit(f"{name} is synchronous: the study already gives it the time it needs")
@@ -68,11 +68,7 @@ def _key(name, devices, lr, seed, updates):
 
 
 def read_probe(path: str) -> list[dict]:
-    import csv
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
+    return ttt._read_csv(path) if os.path.exists(path) else []
 
 
 def run(wl, devices, todo, lead, lead_s, path, jobs) -> None:
@@ -83,8 +79,10 @@ def run(wl, devices, todo, lead, lead_s, path, jobs) -> None:
     print(f"{wl.name} D={devices}: {len(todo)} runs, {jobs} at a time (budgets: "
           + ", ".join(sorted({f'{t[0]} {t[4]} updates' for t in todo})) + ")", flush=True)
 
-    def record(t, row):
-        name, run_name, lr, seed, updates, per_update = t
+    budget = {(t[1], t[3]): t for t in todo}   # (run, seed) -> the plan's entry
+
+    def record(call, row):
+        name, run_name, lr, seed, updates, per_update = budget[(call[1], call[4])]
         curve = [(s, float("nan") if v is None else v) for s, v in json.loads(row["curve"])]
         hit = ttt.updates_to(curve, wl.targets[0], wl)
         ttt._append(path, {"workload": wl.name, "method": name, "run": run_name, "devices": devices, "lr": lr,
@@ -97,17 +95,7 @@ def run(wl, devices, todo, lead, lead_s, path, jobs) -> None:
               + (f"target at {hit:.0f} updates = {hit * per_update:.2f} s" if hit is not None else "target not reached")
               + f" ({row['wall_s']} s)", flush=True)
 
-    if jobs <= 1:
-        for t in todo:
-            record(t, ttt.run_curve(wl.name, t[1], devices, t[2], t[3], t[4]))
-        return
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=ttt._worker_init,
-                             initargs=(1,)) as pool:
-        futures = {pool.submit(ttt.run_curve, wl.name, t[1], devices, t[2], t[3], t[4]): t for t in todo}
-        for f in futures:
-            record(futures[f], f.result())
+    ttt.run_curves([(wl.name, t[1], devices, t[2], t[3], t[4]) for t in todo], jobs, 1, record)
 
 
 def report(wl, devices: int, path: str) -> None:
@@ -143,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=ttt.RESULTS)
     ap.add_argument("--report", action="store_true", help="only print the table from the CSV")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
     wl = ttt.WORKLOADS[args.workload]
     D = args.devices or max(wl.depths)
     if D not in wl.depths:
