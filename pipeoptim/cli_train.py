@@ -192,6 +192,7 @@ def train_worker(cfg: dict) -> dict:
         gen.set_state(extra["gen"])
         history = extra["history"]
         start = pipe.step_count
+    resumed = len(history)  # the history entries of the run(s) this one continues
 
     def save() -> str:
         return pipe.save(ckpt, extra={"gen": gen.get_state(), "history": history, "config": resume_config(cfg)},
@@ -238,11 +239,12 @@ def train_worker(cfg: dict) -> dict:
     if not stopped:
         val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))
         val = pipe.eval_step((val_batch[0], val_batch[0]) if hf else val_batch)
-    directory = save()
+    # a resume with nothing left to do writes nothing (the checkpoint it came from is already this state)
+    directory = save() if start < total_steps else cfg["resume_from"]
     if rank == 0:
         _write_outputs(run_dir, history, cfg)
     return {"history": history, "val_loss": val, "elapsed": elapsed, "rank": rank, "stopped": stopped,
-            "checkpoint": directory}
+            "checkpoint": directory, "start": resumed}
 
 
 def resume_config(cfg: dict) -> dict:
@@ -252,19 +254,22 @@ def resume_config(cfg: dict) -> dict:
     return out
 
 
-def _resume_point(root: str, cfg: dict) -> tuple[str, int]:
+def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
     """The checkpoint ``--resume`` continues from (the newest intact one; each one passed over is printed
-    as a warning), after checking that this run can continue it; ConfigError says why not."""
-    import torch
-
+    as a warning), its step and its ``extra``, after checking its files (read with weights_only: no code
+    runs) and that this run can continue it; ConfigError or CheckpointError says why not."""
     from .runtime import checkpoint_files as files
+    from .runtime.checkpoint import inspect
     from .runtime.plan import ConfigError
     if not files.list_steps(root) and os.path.exists(os.path.join(root, "meta.pt")):
         print(f"pipeoptim train: warning: {root} was written by an older pipeoptim (no manifest): its files "
               "cannot be checked", file=sys.stderr)
-        return root, int(torch.load(os.path.join(root, "meta.pt"), weights_only=False)["step_count"])
+        directory, step, meta = inspect(root)
+        return directory, step, meta.get("extra", {})
     directory, manifest, skipped = files.newest_and_skipped(root, warn=False)
-    saved = torch.load(os.path.join(directory, "meta.pt"), weights_only=False)["extra"].get("config")
+    directory, step, meta = inspect(directory, manifest)
+    extra = meta.get("extra", {})
+    saved = extra.get("config")
     if saved:
         mine = resume_config(cfg)
         for key in RESUME_MUST_MATCH:
@@ -281,7 +286,7 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int]:
     for d, problem in skipped:  # set aside: never counted again (pruning would keep them, not intact ones)
         print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
               file=sys.stderr)
-    return directory, int(manifest["step"])
+    return directory, step, extra
 
 
 @contextlib.contextmanager
@@ -350,13 +355,18 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     plt.close(fig)
 
 
-def _newest_checkpoint(root: str) -> str:
-    """A line pointing at what a later --resume would continue from, or '' when there is nothing."""
+def _newest_checkpoint(root: str, failure: str = "") -> str:
+    """A line pointing at what a later --resume would continue from, or '' when there is nothing. Not the
+    checkpoint that ``failure`` names (the job failed loading it: resuming from it would fail again)."""
     from .runtime import checkpoint_files as files
     try:
         directory, manifest = files.newest(root, warn=False)
     except (FileNotFoundError, files.CheckpointError):
         return ""
+    if directory in failure:
+        return (f"{directory} (step {manifest['step']}), the newest checkpoint whose files are intact, is the one "
+                "that failed to load: fix or remove it (--resume then takes the one before it), or start afresh "
+                "in another --run-dir")
     return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
 
 
@@ -371,9 +381,15 @@ def run(args) -> int:
             cfg["resume_from"] = None
             if args.resume:
                 try:
-                    cfg["resume_from"], at = _resume_point(ckpt_root, cfg)
+                    cfg["resume_from"], at, extra = _resume_point(ckpt_root, cfg)
                 except (FileNotFoundError, CheckpointError) as e:
                     raise ConfigError(f"--resume: {e}") from None
+                if at >= args.steps:  # nothing to train, nothing to save: the checkpoint stays as it is
+                    done = extra.get("history") or [{}]
+                    print(f"nothing to do: step {at} of {args.steps} already reached ({cfg['resume_from']})",
+                          file=sys.stderr)
+                    print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
+                    return 0
                 print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
             t0 = time.perf_counter()
             try:
@@ -392,15 +408,15 @@ def run(args) -> int:
                 return 128 + signum
             except PipelineError as e:
                 print(f"pipeoptim train: failed: {e}", file=sys.stderr)
-                if line := _newest_checkpoint(ckpt_root):
+                if line := _newest_checkpoint(ckpt_root, str(e)):
                     print(f"pipeoptim train: {line}", file=sys.stderr)
                 return 1
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
         return 2
-    hist = result["history"]
+    hist = result["history"][result.get("start", 0):]  # this run's steps: not the resumed run's
     if not hist:
-        print(f"nothing to do: the checkpoint is already at step {args.steps}", file=sys.stderr)
+        print(f"nothing to do: step {result.get('start', 0)} of {args.steps} already reached", file=sys.stderr)
     else:
         first, last = hist[0]["loss"], hist[-1]["loss"]
         tail = hist[-max(1, len(hist) // 10):]

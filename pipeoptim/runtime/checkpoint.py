@@ -22,12 +22,21 @@ are keyed by global names); into another optimizer it fails with the reason, unl
 Persistent buffers (BatchNorm's running statistics) travel too, by global name. Loading maps each part
 into memory (``torch.load(mmap=True)``) and copies only this process's own entries, so a rank of a large,
 meta-built pipeline reads its share of the checkpoint, never the whole model.
+
+A checkpoint holds tensors and plain containers only (``plain_problem`` refuses anything else at save), and
+every file is read with ``torch.load(weights_only=True)``: a file someone handed you cannot run code, it is
+refused naming the file. Before anything is written into the model, ``load`` checks that the parts are one
+per rank of the world that wrote them, all of the manifest's step, and that every parameter, buffer and
+optimizer state has this model's name, shape and dtype; else nothing is loaded and the error names what.
 """
 from __future__ import annotations
 
 import glob
 import os
+import pickle
+import shutil
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -36,7 +45,7 @@ from . import checkpoint_files as files
 from .checkpoint_files import CheckpointError
 from .watchdog import COLLECTIVE
 
-__all__ = ["pipeline_state", "save", "load", "CheckpointError"]
+__all__ = ["pipeline_state", "save", "load", "read", "inspect", "plain_problem", "CheckpointError"]
 
 
 def _param_order(st) -> list[str]:
@@ -106,55 +115,123 @@ def _distributed(pipe) -> bool:
 
 def save(pipe, root: str, extra: dict | None = None, keep: int | None = None) -> str:
     """Write ``root/step-<step count>/`` from every rank (call on all of them), commit it, then keep the newest
-    ``keep`` checkpoints under ``root`` (None: all). Returns the checkpoint's directory."""
+    ``keep`` checkpoints under ``root`` (None: all). Returns the checkpoint's directory. A step already
+    committed is written beside it and swapped in, never rewritten in place."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint being written), got {keep}")
+    extra = extra or {}
+    if problem := plain_problem(extra, "extra"):
+        raise TypeError(f"cannot save a checkpoint: {problem}; a checkpoint holds only tensors, numbers, strings "
+                        "and lists, tuples and dicts of them (it is read back with torch.load(weights_only=True), "
+                        "which runs no code)")
     rank, distributed = (0 if pipe.emulate else _rank()), _distributed(pipe)
     directory = files.step_dir(root, pipe.step_count)
     watch = getattr(pipe, "_watch", None)
     if watch is not None:
         watch.doing(f"saving checkpoint {directory}", COLLECTIVE)
     try:
-        error = None
-        if rank == 0:
-            try:
-                os.makedirs(directory, exist_ok=True)
-                files.uncommit(directory)  # the same step written again: no old manifest over new parts
-                for stale in glob.glob(os.path.join(directory, "*.tmp-*")):  # a rank died writing it
-                    os.remove(stale)
-            except OSError as e:
-                error = f"cannot write checkpoint {directory}: {e}"
-        if distributed:
-            error = _from_rank0(error)
-        if error:
-            raise CheckpointError(error)
-        try:
-            record = files.write_file(os.path.join(directory, f"part-{rank}.pt"),
-                                      lambda f: torch.save(pipeline_state(pipe), f))
-        except OSError as e:
-            record = f"rank {rank} could not write {directory}/part-{rank}.pt: {e}"
-        records = [None] * dist.get_world_size() if distributed else [record]
-        if distributed:
-            dist.all_gather_object(records, record)
-        error = next((r for r in records if isinstance(r, str)), None)
-        if rank == 0 and error is None:
-            try:
-                meta = files.write_file(os.path.join(directory, "meta.pt"), lambda f: torch.save(
-                    {"extra": extra or {}, "schedule": pipe.schedule.name, "devices": pipe.devices,
-                     "step_count": pipe.step_count}, f))
-                listed = {f"part-{r}.pt": rec for r, rec in enumerate(records)}
-                files.commit(directory, {**listed, "meta.pt": meta}, _describe(pipe))
-                files.prune(root, keep)
-            except OSError as e:
-                error = f"cannot commit checkpoint {directory}: {e}"
-        if distributed:
-            error = _from_rank0(error)
-        if error:
-            raise CheckpointError(error)
+        _save(pipe, root, directory, extra, keep, rank, distributed)
     finally:
         if watch is not None:
             watch.idle()
     return directory
+
+
+def _save(pipe, root, directory, extra, keep, rank, distributed) -> None:
+    world = dist.get_world_size() if distributed else 1
+    state = dict(pipeline_state(pipe), rank=rank, world_size=world)  # each part says whose it is
+    problem = plain_problem(state, "the pipeline state")
+    # rank 0 decides where the files go: the step directory, or beside it when that step is already committed
+    target, error = None, None
+    if rank == 0:
+        try:
+            target = files.staging_dir(directory) if files.is_checkpoint(directory) else directory
+            if os.path.exists(target) and target != directory:
+                shutil.rmtree(target)  # a crash while writing this step again left it: never committed
+            os.makedirs(target, exist_ok=True)
+            files.uncommit(target)  # no manifest over debris (a crash leftover of this step, uncommitted)
+            for stale in glob.glob(os.path.join(target, "*.tmp-*")):  # a rank died writing it
+                os.remove(stale)
+        except OSError as e:
+            error = _write_problem(root, directory, "its directory", e)
+    if distributed:
+        target, error = _from_rank0((target, error))
+    if error:
+        raise CheckpointError(error)
+    if problem is None:
+        try:
+            record = files.write_file(os.path.join(target, f"part-{rank}.pt"), lambda f: torch.save(state, f))
+        except Exception as e:  # torch wraps a full disk in a RuntimeError; every rank must hear of it
+            record = _write_problem(root, directory, f"part-{rank}.pt (rank {rank})", e)
+    else:
+        record = f"rank {rank} cannot save {problem}: a checkpoint holds only tensors and plain containers"
+    records = [None] * world if distributed else [record]
+    if distributed:
+        dist.all_gather_object(records, record)
+    error = next((r for r in records if isinstance(r, str)), None)
+    if rank == 0:
+        if error is None:
+            try:
+                meta = files.write_file(os.path.join(target, "meta.pt"), lambda f: torch.save(
+                    {"extra": extra, "schedule": pipe.schedule.name, "devices": pipe.devices,
+                     "step_count": pipe.step_count}, f))
+                listed = {f"part-{r}.pt": rec for r, rec in enumerate(records)}
+                files.commit(target, {**listed, "meta.pt": meta}, _describe(pipe))
+                if target != directory:
+                    files.swap_in(target, directory)
+                files.prune(root, keep)
+            except Exception as e:
+                error = _write_problem(root, directory, "meta.pt and manifest.json", e)
+        if error is not None and not files.is_checkpoint(target):  # no checkpoint: give its space back
+            shutil.rmtree(target, ignore_errors=True)
+    if distributed:
+        error = _from_rank0(error)
+    if error:
+        raise CheckpointError(error)
+
+
+def _write_problem(root: str, directory: str, what: str, e: BaseException) -> str:
+    """What went wrong writing ``what`` of checkpoint ``directory``; a full disk said as such, with the
+    checkpoint to go back to."""
+    if not files.no_space(e):
+        return f"cannot write checkpoint {directory} ({what}): {type(e).__name__}: {e}"
+    found = next((d for _, d in files.list_steps(root) if _sizes_ok(d)), None)
+    newest = (f"the newest intact checkpoint is {found}" if found else f"there is no intact checkpoint in {root}")
+    return (f"{directory}: no space left on device ({files.free_bytes(directory):,} bytes free); {newest}. "
+            f"Writing {what} failed and nothing of this checkpoint was committed; free some space (or keep "
+            "fewer checkpoints) and save again")
+
+
+def _sizes_ok(directory: str) -> bool:
+    try:
+        files.check_sizes(directory)
+    except CheckpointError:
+        return False
+    return True
+
+
+_PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def plain_problem(obj, where: str) -> str | None:
+    """None if ``obj`` is tensors, numbers, strings and lists/tuples/dicts of them (what a checkpoint may
+    hold: torch.load(weights_only=True) reads it back without running code), else what is not."""
+    kind = type(obj)
+    if kind in (torch.Tensor, torch.nn.Parameter) or kind in _PLAIN:
+        return None
+    if kind in (dict, OrderedDict):
+        for k, v in obj.items():
+            if type(k) not in _PLAIN:
+                return f"{where} has a key of type {type(k).__qualname__}"
+            if problem := plain_problem(v, f"{where}[{k!r}]"):
+                return problem
+        return None
+    if kind in (list, tuple, set):
+        for i, v in enumerate(obj):
+            if problem := plain_problem(v, f"{where}[{i}]"):
+                return problem
+        return None
+    return f"{where} is a {kind.__module__}.{kind.__qualname__}"
 
 
 def _from_rank0(error: str | None) -> str | None:
@@ -182,9 +259,9 @@ def _share(pipe):
     return share
 
 
-def _parts(pipe, directory: str) -> tuple[str, list[str], str | None]:
-    """(checkpoint directory, its part files, meta file) for ``directory``: one checkpoint, or the newest
-    intact one under a root, or an old-style directory of parts without a manifest."""
+def _parts(pipe, directory: str) -> tuple[str, list[str], str | None, dict | None]:
+    """(checkpoint directory, its part files, meta file, manifest) for ``directory``: one checkpoint, or the
+    newest intact one under a root, or an old-style directory of parts without a manifest (no manifest)."""
     if files.is_checkpoint(directory):
         manifest = files.verify(directory, _share(pipe))
     elif files.list_steps(directory):
@@ -195,40 +272,130 @@ def _parts(pipe, directory: str) -> tuple[str, list[str], str | None]:
                 warnings.warn(f"skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}; loading "
                               f"{directory}", files.CheckpointWarning, stacklevel=3)
     else:
-        parts = sorted(glob.glob(os.path.join(directory, "part-*.pt")))
-        if not parts:
+        if not glob.glob(os.path.join(directory, "part-*.pt")):
             raise FileNotFoundError(f"no checkpoint in {directory} (neither step-* directories nor part-*.pt); "
                                     "save one with Pipeline.save")
         warnings.warn(f"{directory} has no manifest (written by an older pipeoptim): its parts cannot be checked "
                       "for completeness", files.CheckpointWarning, stacklevel=3)
-        meta = os.path.join(directory, "meta.pt")
-        return directory, parts, meta if os.path.exists(meta) else None
-    names = sorted(n for n in manifest["files"] if n.startswith("part-"))
-    meta = "meta.pt" if "meta.pt" in manifest["files"] else None
-    return (directory, [os.path.join(directory, n) for n in names],
-            os.path.join(directory, meta) if meta else None)
+        manifest = None
+    parts, meta = _part_files(directory, manifest)
+    return directory, parts, meta, manifest
 
 
-def _read(path: str) -> dict:
-    """A part or meta file, mapped rather than read: only the entries this process copies are paged in."""
+def read(path: str) -> dict:
+    """A part or meta file, mapped rather than read (only the entries this process copies are paged in), with
+    ``torch.load(weights_only=True)``: tensors and plain containers only, never code. A file holding anything
+    else (a pickled object, say one whose unpickling would run a command) is refused, naming the file."""
     try:
         try:
-            return torch.load(path, weights_only=False, mmap=True)
+            return torch.load(path, weights_only=True, mmap=True)
         except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-            return torch.load(path, weights_only=False)
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is refused: it holds more than tensors and plain containers ({first}); "
+                              "pipeoptim never writes such a file, and loading it could run code, so nothing in it "
+                              "was run or loaded. Use a checkpoint from a source you trust") from None
     except Exception as e:  # a file damaged in a way its size and hash could not show (no manifest)
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is truncated or "
                               "corrupted") from None
 
 
+def _check_parts(directory: str, parts: list[str], loaded: list[dict], manifest: dict | None,
+                 meta: dict | None) -> int:
+    """The step every part (and meta.pt) holds, after checking that they agree with each other and with the
+    manifest, and that no rank's part is missing; else CheckpointError naming the file and what is wrong."""
+    expected = manifest.get("step") if manifest else None
+    where = "the manifest" if expected is not None else None
+    for path, part in zip(parts, loaded):
+        step = part.get("step_count")
+        if expected is None:
+            expected, where = step, path
+        elif step != expected:
+            raise CheckpointError(f"{path} holds step {step} but {where} says step {expected}: parts of "
+                                  f"different checkpoints were mixed in {directory}; use a checkpoint whose "
+                                  "parts were written together")
+        world, rank = part.get("world_size"), part.get("rank")
+        if rank is not None and os.path.basename(path) != f"part-{rank}.pt":
+            raise CheckpointError(f"{path} was written by rank {rank} (it should be part-{rank}.pt): parts "
+                                  f"of {directory} were renamed or copied")
+        if world is not None:
+            present = {os.path.basename(p) for p in parts}
+            missing = [f"part-{r}.pt" for r in range(world) if f"part-{r}.pt" not in present]
+            if missing:
+                raise CheckpointError(f"{', '.join(os.path.join(directory, m) for m in missing)} "
+                                      f"{'is' if len(missing) == 1 else 'are'} missing: {path} says {world} "
+                                      f"rank(s) wrote the checkpoint, and {directory} has "
+                                      f"{', '.join(sorted(present))}")
+    if meta is not None and expected is not None and meta.get("step_count", expected) != expected:
+        raise CheckpointError(f"{directory}/meta.pt holds step {meta['step_count']} but {where} says step "
+                              f"{expected}: files of different checkpoints were mixed in {directory}")
+    return expected or 0
+
+
+def inspect(directory: str, manifest: dict | None = None) -> tuple[str, int, dict]:
+    """(checkpoint directory, its step, its meta) for one checkpoint directory or a legacy directory of
+    parts, after the checks ``load`` makes of its files (for the CLI to check a resume point before any rank
+    starts). ``manifest``: the directory's, already verified."""
+    if manifest is None and files.is_checkpoint(directory):
+        manifest = files.verify(directory)
+    parts, meta_path = _part_files(directory, manifest)
+    meta = read(meta_path) if meta_path else None
+    step = _check_parts(directory, parts, [read(p) for p in parts], manifest, meta)
+    return directory, step, meta or {}
+
+
+def _part_files(directory: str, manifest: dict | None) -> tuple[list[str], str | None]:
+    if manifest is None:
+        parts = sorted(glob.glob(os.path.join(directory, "part-*.pt")))
+        meta = os.path.join(directory, "meta.pt")
+        return parts, meta if os.path.exists(meta) else None
+    names = sorted(n for n in manifest["files"] if n.startswith("part-"))
+    return ([os.path.join(directory, n) for n in names],
+            os.path.join(directory, "meta.pt") if "meta.pt" in manifest["files"] else None)
+
+
+def _expected(st, saved_params, buffers, opt_state, directory: str) -> None:
+    """Every name, shape and dtype of this stage's parameters, buffers and optimizer state against the
+    checkpoint's, before anything is copied; else CheckpointError naming the parameter."""
+    order = _param_order(st)
+    missing = [n for n in order if n not in saved_params]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} has no values for {missing[:4]} (stage {st.chunk.stage}): "
+                              "it was saved from a different model (every part it lists is present)")
+    for n, p in st.module.named_parameters():
+        name, value = st.names[n], saved_params[st.names[n]]
+        _same(directory, "parameter", name, value, p.shape, torch.float32 if p.is_floating_point() else p.dtype)
+        for key, v in opt_state.get(name, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape != p.shape:
+                raise CheckpointError(f"checkpoint {directory}: the optimizer state {key!r} of parameter {name!r} "
+                                      f"has shape {tuple(v.shape)}, the parameter {tuple(p.shape)}: it is damaged "
+                                      "or not of this model")
+    for name, t in _buffers(st).items():
+        if name in buffers:
+            _same(directory, "buffer", name, buffers[name], t.shape, t.dtype)
+
+
+def _same(directory, kind, name, saved, shape, dtype) -> None:
+    if not torch.is_tensor(saved) or saved.shape != shape or saved.dtype != dtype:
+        got = (f"{saved.dtype} of shape {tuple(saved.shape)}" if torch.is_tensor(saved)
+               else f"a {type(saved).__name__}")
+        raise CheckpointError(f"checkpoint {directory}: {kind} {name!r} is {got} there but this model's is "
+                              f"{dtype} of shape {tuple(shape)}; it was saved from a different model. Nothing "
+                              "was loaded")
+
+
 def load(pipe, directory: str, weights_only: bool = False) -> dict:
     """Load a checkpoint written by ``save`` (any balance, any number of parts); returns its ``extra``.
     ``directory``: a root (the newest intact checkpoint under it) or one ``step-*`` directory.
-    ``weights_only``: only the parameters (a new optimizer, scheduler and policy start fresh)."""
-    directory, parts, meta_path = _parts(pipe, directory)
-    params, opt_state, groups, sched, steps, pol_state, buffers, optimizers = {}, {}, None, None, 0, {}, {}, set()
-    for path in parts:
-        part = _read(path)
+    ``weights_only``: only the parameters (a new optimizer, scheduler and policy start fresh).
+    Everything is checked (files, steps, names, shapes, dtypes) before anything is written into the model."""
+    directory, parts, meta_path, manifest = _parts(pipe, directory)
+    loaded = [read(path) for path in parts]
+    meta = read(meta_path) if meta_path else None
+    steps = _check_parts(directory, parts, loaded, manifest, meta)
+    params, opt_state, groups, sched, pol_state, buffers, optimizers = {}, {}, None, None, {}, {}, set()
+    for part in loaded:
         params.update(part["params"])
         buffers.update(part.get("buffers", {}))
         opt_state.update(part["opt_state"])
@@ -236,7 +403,6 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
         optimizers.update(part.get("optimizers", ()))
         groups = groups or part["groups"]
         sched = sched or part["scheduler"]
-        steps = max(steps, part["step_count"])
     mine = set(_optimizer_names(pipe))
     if optimizers and optimizers != mine and not weights_only:
         raise CheckpointError(f"checkpoint {directory} was written with optimizer {', '.join(sorted(optimizers))} "
@@ -244,12 +410,11 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
                               "nothing to another. Resume with the same optimizer, or load the weights alone "
                               "(load(..., weights_only=True)) to start the new optimizer from them")
     for w in pipe.workers:
+        for st in w.stages.values():
+            _expected(st, params, buffers, opt_state, directory)
+    for w in pipe.workers:
         for c, st in w.stages.items():
             order = _param_order(st)
-            missing = [n for n in order if n not in params]
-            if missing:
-                raise KeyError(f"checkpoint {directory} has no values for {missing[:4]} (stage {c.stage}); it was "
-                               "saved from a different model")
             with torch.no_grad():
                 local = dict(st.policy.binding.named_master_params())
                 for n, p in st.module.named_parameters():
@@ -277,4 +442,4 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
     if not weights_only:
         pipe.step_count = steps
     pipe.loaded_from = directory
-    return _read(meta_path)["extra"] if meta_path else {}
+    return meta["extra"] if meta else {}

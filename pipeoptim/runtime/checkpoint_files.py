@@ -8,10 +8,12 @@ Layout: ``<root>/step-<8 digits>/`` holds ``part-<rank>.pt`` (one per rank that 
   hashed (SHA-256) as it is written.
 - The manifest is the commit. Rank 0 writes it only after every rank's part is in place (it receives their
   sizes and hashes) and the directory has been flushed; a step directory without one is a checkpoint that
-  was being written when the job died, and is ignored. Writing the same step again first removes the
-  manifest, so a crash halfway never leaves an old manifest over new parts.
+  was being written when the job died, and is ignored. A committed step is never rewritten in place:
+  writing it again goes to ``step-<n>.next`` (``staging_dir``), is committed there, then swapped in
+  (``swap_in``); a crash at any moment leaves one committed copy that ``list_steps`` finds.
 - Reading checks every file the manifest lists, its size and its hash (the ranks of a distributed load
-  each hash a slice): a missing, truncated or corrupted file is a ``CheckpointError`` naming the file.
+  each hash a slice), and that it lists one part per rank of the world that wrote it, under its own step
+  directory: a missing, truncated or corrupted file is a ``CheckpointError`` naming the file.
   ``newest`` takes the newest intact checkpoint under a root and warns about every newer one it passes
   over, naming why; a load that passed some over sets them aside (``set_aside``) so that they never count
   again.
@@ -24,6 +26,7 @@ sizes and hashes that let a reader tell a damaged file from a good one.
 """
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -33,13 +36,14 @@ import shutil
 import time
 import warnings
 
-__all__ = ["CheckpointError", "CheckpointWarning", "MANIFEST", "step_dir", "write_file", "commit", "uncommit",
-           "check_sizes", "check_hash", "verify", "is_checkpoint", "list_steps", "newest", "newest_and_skipped",
-           "set_aside", "prune"]
+__all__ = ["CheckpointError", "CheckpointWarning", "MANIFEST", "step_dir", "staging_dir", "swap_in", "write_file",
+           "commit", "uncommit", "check_sizes", "check_hash", "verify", "is_checkpoint", "list_steps", "newest",
+           "newest_and_skipped", "set_aside", "prune", "no_space", "free_bytes"]
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeoptim-checkpoint/1"
 _STEP = re.compile(r"^step-(\d+)$")
+_STAGED = re.compile(r"^step-(\d+)\.(next|replaced)$")  # a step written again, beside its committed copy
 _CHUNK = 1 << 20
 
 
@@ -53,6 +57,45 @@ class CheckpointWarning(UserWarning):
 
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
+
+
+def staging_dir(directory: str) -> str:
+    """Where step ``directory`` is written again when it is already committed (then ``swap_in``)."""
+    return f"{directory}.next"
+
+
+def swap_in(staged: str, directory: str) -> None:
+    """Put the committed checkpoint ``staged`` in place of the committed ``directory``. Between the two
+    renames ``directory`` is absent and ``list_steps`` takes ``staged`` (committed) for its step."""
+    old = f"{directory}.replaced"
+    if os.path.exists(old):
+        shutil.rmtree(old)
+    os.replace(directory, old)
+    os.replace(staged, directory)
+    _fsync_dir(os.path.dirname(directory) or ".")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system of ``path`` (or of its nearest parent)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path or ".")
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk: an ``OSError`` ENOSPC itself, or torch's wrapping of one (torch.save
+    raises ``RuntimeError: [enforce fail at inline_container.cc...] unexpected pos`` with the ENOSPC chained)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _fsync_dir(path: str) -> None:
@@ -131,10 +174,34 @@ def _read_manifest(directory: str) -> dict:
     return manifest
 
 
+def _check_layout(directory: str, manifest: dict) -> None:
+    """The manifest agrees with where it lies (its step is the directory's) and lists one part per rank of
+    the world it says wrote it (manifests of pipeoptim.save carry both; others are not checked)."""
+    path = os.path.join(directory, MANIFEST)
+    m = _STEP.match(os.path.basename(directory)) or _STAGED.match(os.path.basename(directory))
+    if m and "step" in manifest and manifest["step"] != int(m.group(1)):
+        raise CheckpointError(f"{path} says step {manifest['step']} but lies in {directory} (step "
+                              f"{int(m.group(1))}): it was copied or renamed from another checkpoint")
+    world = manifest.get("world_size")
+    if world is None:
+        return
+    listed = sorted(n for n in manifest["files"] if n.startswith("part-"))
+    expected = [f"part-{r}.pt" for r in range(world)]
+    if sorted(listed) != sorted(expected):
+        missing = [n for n in expected if n not in listed]
+        extra = [n for n in listed if n not in expected]
+        what = (f"{', '.join(os.path.join(directory, n) for n in missing)} missing from it" if missing else
+                f"{', '.join(extra)} besides them")
+        raise CheckpointError(f"{path} is inconsistent: it says {world} rank(s) wrote the checkpoint, so it "
+                              f"should list {', '.join(expected)}, but it lists {', '.join(listed) or 'no part'} "
+                              f"({what})")
+
+
 def check_sizes(directory: str) -> dict:
     """The manifest of ``directory`` after checking that every file it lists is there with its size (cheap:
     no file is read); else ``CheckpointError`` naming the file."""
     manifest = _read_manifest(directory)
+    _check_layout(directory, manifest)
     for name, rec in sorted(manifest["files"].items()):
         path = os.path.join(directory, name)
         if not os.path.exists(path):
@@ -184,15 +251,33 @@ def is_checkpoint(directory: str) -> bool:
 
 
 def list_steps(root: str) -> list[tuple[int, str]]:
-    """(step, directory) of every step directory under ``root``, newest first, committed or not."""
+    """(step, directory) of every step directory under ``root``, newest first, committed or not. A step
+    being written again (``step-<n>.next``) stands for step n only when it is committed and ``step-<n>`` is
+    not (a crash between ``swap_in``'s renames)."""
     if not os.path.isdir(root):
         return []
-    out = []
+    found, staged = {}, {}
     for name in os.listdir(root):
-        m = _STEP.match(name)
-        if m and os.path.isdir(os.path.join(root, name)):
-            out.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(out, reverse=True)
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            continue
+        if m := _STEP.match(name):
+            found[int(m.group(1))] = path
+        elif (m := _STAGED.match(name)) and m.group(2) == "next" and is_checkpoint(path):
+            staged[int(m.group(1))] = path
+    for step, path in staged.items():
+        if step not in found or not is_checkpoint(found[step]):
+            found[step] = path
+    return sorted(found.items(), reverse=True)
+
+
+def _staging_leftovers(root: str, steps: list[tuple[int, str]]) -> list[str]:
+    """``step-<n>.next`` / ``.replaced`` directories that no longer stand for their step."""
+    if not os.path.isdir(root):
+        return []
+    listed = {d for _, d in steps}
+    return [os.path.join(root, n) for n in os.listdir(root)
+            if _STAGED.match(n) and os.path.join(root, n) not in listed]
 
 
 def newest(root: str, *, warn: bool = True, share=None) -> tuple[str, dict]:
@@ -259,6 +344,7 @@ def prune(root: str, keep: int | None) -> list[str]:
     if committed:
         newest_step = next(s for s, d in steps if d == committed[0])
         doomed += [d for s, d in steps if s < newest_step and not is_checkpoint(d)]
+    doomed += _staging_leftovers(root, steps)
     for d in doomed:
         uncommit(d)
         shutil.rmtree(d, ignore_errors=True)
