@@ -364,9 +364,9 @@ def _newest_checkpoint(root: str, failure: str = "") -> str:
     except (FileNotFoundError, files.CheckpointError):
         return ""
     if directory in failure:
-        return (f"{directory} (step {manifest['step']}), the newest checkpoint whose files are intact, is the one "
-                "that failed to load: fix or remove it (--resume then takes the one before it), or start afresh "
-                "in another --run-dir")
+        return (f"{directory} (step {manifest['step']}) is the newest checkpoint whose files are intact, but the "
+                "failure above names it, so --resume would meet it again: move it aside (--resume then takes the "
+                "one before it), or start afresh in another --run-dir")
     return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
 
 

@@ -371,5 +371,5 @@ def test_the_advice_after_a_failed_load_does_not_point_at_the_checkpoint_that_fa
     step1 = root / "step-00000001"
     failure = f"rank 1 of 2 (pid 1): CheckpointError: checkpoint {step1}: parameter '0.lin.weight' is ..."
     line = cli_train._newest_checkpoint(str(root), failure)
-    assert "continue with --resume" not in line and f"{step1} (step 1)" in line and "failed to load" in line
+    assert "continue with --resume" not in line and f"{step1} (step 1)" in line and "the failure above names it" in line
     assert "continue with --resume" in cli_train._newest_checkpoint(str(root), "rank 0 ... killed by SIGKILL")

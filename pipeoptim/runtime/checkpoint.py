@@ -355,7 +355,7 @@ def _part_files(directory: str, manifest: dict | None) -> tuple[list[str], str |
             os.path.join(directory, "meta.pt") if "meta.pt" in manifest["files"] else None)
 
 
-def _expected(st, saved_params, buffers, opt_state, directory: str) -> None:
+def _expected(st, saved_params, buffers, opt_state, directory: str) -> None:  # opt_state {}: not loaded
     """Every name, shape and dtype of this stage's parameters, buffers and optimizer state against the
     checkpoint's, before anything is copied; else CheckpointError naming the parameter."""
     order = _param_order(st)
@@ -411,7 +411,7 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
                               "(load(..., weights_only=True)) to start the new optimizer from them")
     for w in pipe.workers:
         for st in w.stages.values():
-            _expected(st, params, buffers, opt_state, directory)
+            _expected(st, params, buffers, {} if weights_only else opt_state, directory)
     for w in pipe.workers:
         for c, st in w.stages.items():
             order = _param_order(st)
