@@ -159,7 +159,7 @@ def test_a_rank_killed_while_a_committed_step_is_written_again_leaves_it_loadabl
 
 def test_resume_with_nothing_left_to_do_leaves_the_checkpoint_untouched(tmp_path):
     run = tmp_path / "run"
-    common = [*fh_small(), "--run-dir", str(run), "--emulate", "--no-progress", "--keep-checkpoints", "1"]
+    common = [*_cli_small(), "--run-dir", str(run), "--emulate", "--no-progress", "--keep-checkpoints", "1"]
     proc = _cli(tmp_path, *common, "--steps", "2", "--save-every", "0")
     assert proc.returncode == 0, proc.stderr
     step2 = run / "checkpoint" / "step-00000002"
@@ -179,7 +179,7 @@ def test_resume_with_nothing_left_to_do_leaves_the_checkpoint_untouched(tmp_path
     assert [h["step"] for h in history] == [1, 2, 3]
 
 
-def fh_small():
+def _cli_small():
     return ["--model", "tiny", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2", "--schedule", "1f1b"]
 
 

@@ -168,7 +168,7 @@ def _resume_run(tmp_path, policy, optimizer, strip_policy_state=False):
         (ck / "step-00000002" / "manifest.json").unlink()
         (ck / "step-00000002").rmdir()
         for part in ck.glob("part-*.pt"):
-            d = torch.load(part, weights_only=False)
+            d = torch.load(part, weights_only=True)  # a checkpoint holds data only
             del d["policy_state"]
             torch.save(d, part)
     resumed = _pipe(**kw)

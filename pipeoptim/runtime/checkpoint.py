@@ -179,9 +179,13 @@ def _save(pipe, root, directory, extra, keep, rank, distributed) -> None:
                 files.commit(target, {**listed, "meta.pt": meta}, _describe(pipe))
                 if target != directory:
                     files.swap_in(target, directory)
-                files.prune(root, keep)
             except Exception as e:
                 error = _write_problem(root, directory, "meta.pt and manifest.json", e)
+            else:
+                try:
+                    files.prune(root, keep)
+                except OSError as e:
+                    error = f"checkpoint {directory} is committed, but removing older ones failed: {e}"
         if error is not None and not files.is_checkpoint(target):  # no checkpoint: give its space back
             shutil.rmtree(target, ignore_errors=True)
     if distributed:
@@ -195,19 +199,11 @@ def _write_problem(root: str, directory: str, what: str, e: BaseException) -> st
     checkpoint to go back to."""
     if not files.no_space(e):
         return f"cannot write checkpoint {directory} ({what}): {type(e).__name__}: {e}"
-    found = next((d for _, d in files.list_steps(root) if _sizes_ok(d)), None)
+    found = next((d for _, d in files.list_steps(root) if files.sizes_ok(d)), None)  # no hashing: cheap
     newest = (f"the newest intact checkpoint is {found}" if found else f"there is no intact checkpoint in {root}")
     return (f"{directory}: no space left on device ({files.free_bytes(directory):,} bytes free); {newest}. "
             f"Writing {what} failed and nothing of this checkpoint was committed; free some space (or keep "
             "fewer checkpoints) and save again")
-
-
-def _sizes_ok(directory: str) -> bool:
-    try:
-        files.check_sizes(directory)
-    except CheckpointError:
-        return False
-    return True
 
 
 _PLAIN = (int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
@@ -340,6 +336,8 @@ def inspect(directory: str, manifest: dict | None = None) -> tuple[str, int, dic
     if manifest is None and files.is_checkpoint(directory):
         manifest = files.verify(directory)
     parts, meta_path = _part_files(directory, manifest)
+    if not parts:
+        raise CheckpointError(f"{directory} holds no part-*.pt: it is no checkpoint of pipeoptim.save")
     meta = read(meta_path) if meta_path else None
     step = _check_parts(directory, parts, [read(p) for p in parts], manifest, meta)
     return directory, step, meta or {}

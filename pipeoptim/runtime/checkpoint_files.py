@@ -38,7 +38,7 @@ import warnings
 
 __all__ = ["CheckpointError", "CheckpointWarning", "MANIFEST", "step_dir", "staging_dir", "swap_in", "write_file",
            "commit", "uncommit", "check_sizes", "check_hash", "verify", "is_checkpoint", "list_steps", "newest",
-           "newest_and_skipped", "set_aside", "prune", "no_space", "free_bytes"]
+           "newest_and_skipped", "set_aside", "prune", "no_space", "free_bytes", "sizes_ok"]
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeoptim-checkpoint/1"
@@ -322,7 +322,8 @@ def set_aside(directory: str) -> str:
     return target
 
 
-def _sizes_ok(directory: str) -> bool:
+def sizes_ok(directory: str) -> bool:
+    """Whether ``directory`` is committed with every file of its size (cheap: nothing is read)."""
     try:
         check_sizes(directory)
     except CheckpointError:
@@ -339,7 +340,7 @@ def prune(root: str, keep: int | None) -> list[str]:
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the checkpoint just written), got {keep}")
     steps = list_steps(root)
-    committed = [d for _, d in steps if _sizes_ok(d)]
+    committed = [d for _, d in steps if sizes_ok(d)]
     doomed = committed[keep:]
     if committed:
         newest_step = next(s for s, d in steps if d == committed[0])
