@@ -21,12 +21,13 @@ __all__ = ["Command", "COMMANDS", "HelpFormatter", "register", "lazy", "build_pa
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """``--help`` names every option's default: appended as "(default: X)" unless the help already says
-    "(default" itself (where X alone would not explain it); a switch's default is "off"."""
+    """``--help`` names every optional option's default: appended as "(default: X)" unless the help already
+    says "(default" itself (where X alone would not explain it); a switch's default is "off"."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or action.default is argparse.SUPPRESS or "(default" in text:
+        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                or "(default" in text):
             return text
         if action.nargs == 0:  # store_true and the like
             return f"{text} (default: off)"
