@@ -622,8 +622,9 @@ def run(args) -> int:
     if result.get("stopped"):
         print(f"pipeoptim train: stopped at {result['stopped']}", file=sys.stderr)
         print(f"pipeoptim train: checkpoint of the last finite state: {result['checkpoint']}; after a fix, "
-              "continue with --resume (with a lower --lr or a --clip, which the resumed run applies)",
-              file=sys.stderr)
+              "continue with --resume (with a lower --lr or a --clip, which the resumed run applies). If the "
+              "loss had been climbing, the weights have diverged and no learning rate brings them back: start "
+              "again with --overwrite and a lower --lr", file=sys.stderr)
         return NONFINITE_EXIT
     print(f"final loss: {hist[-1]['loss'] if hist else float('nan'):.4f}")
     return 0
