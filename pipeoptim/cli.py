@@ -260,7 +260,8 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
-register("train", "train a small GPT on the stdlib corpus through a pipeline (4 local processes by default)",
+register("train", "train a small GPT (or a Hugging Face model) through a pipeline (4 local processes by default) "
+                  "on the standard library's source or on your text (--data)",
          _train_arguments, lazy("pipeoptim.cli_train", "run"))
 
 

@@ -1,4 +1,5 @@
-"""``pipeoptim train``: train a small GPT-style byte-level model on the Python standard library's source.
+"""``pipeoptim train``: train a small GPT-style byte-level model on the Python standard library's source, or on
+the user's own text (``--data``, byte-level or through a local ``--tokenizer`` for the Hugging Face models).
 
 The default is the project's showcase: 4 pipeline stages as 4 local processes on CPU (gloo), asynchronous
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
@@ -12,7 +13,10 @@ A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
 or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
 drops such updates instead); a rank that dies or freezes ends the job with a message naming it
-(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so).
+(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so), and
+a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted (``--overwrite``),
+never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
+answered as fast as ``--help``.
 Exit status: 0 done, 1 failed, 2 invalid configuration, 3 stopped on a non-finite value, 128+N stopped by
 signal N.
 """
@@ -64,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
     p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes")
-    p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b", metavar="{" + ",".join(SCHEDULES) + "}",
+    p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
                    help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
                         "schedule trains")
     p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
