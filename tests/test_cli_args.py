@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import fault_harness as fh
 from pipeoptim.cli import build_parser
 
 SUBCOMMANDS = ("schedule", "compare-schedules", "train")
@@ -113,7 +114,7 @@ def test_configuration_errors_are_answered_before_torch_is_imported(tmp_path):
     cases[4] = (cases[4][0], f"the folder {tmp_path / 'nothing'} holds no files")
     argv = [["train", *a, *([] if "--run-dir" in a else ["--run-dir", str(tmp_path / "r")])] for a, _ in cases]
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=fh.env())  # this source tree first on the path
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [rc for rc, _ in result["runs"]] == [2] * len(cases), proc.stderr

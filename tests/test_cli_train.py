@@ -1,5 +1,7 @@
-"""`pipeoptim train` (pipeoptim/cli_train.py): the Hugging Face model choices train end to end, and bad device
-requests fail before anything starts."""
+"""`pipeoptim train` (pipeoptim/cli_train.py): the Hugging Face model choices and every schedule train end to end;
+bad device requests fail before anything starts; a run directory is never silently overwritten; --resume applies
+a new --lr/--clip and refuses what cannot change; --data/--tokenizer train on the user's text; what a run leaves
+behind (strict history.json with validation points, loss.png) and what its progress bar says on a crowded CPU."""
 from __future__ import annotations
 
 import json
@@ -192,7 +194,8 @@ def test_more_ranks_than_cores_says_the_idle_share_measures_the_machine(tmp_path
     import sys
     cmd = [sys.executable, "-m", "pipeoptim.cli", "train", *TINY[:-2], "--schedule", "async-1f1b", "--steps", "2",
            "--run-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+    import fault_harness as fh
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=fh.env(),
                           preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
     assert proc.returncode == 0, proc.stderr
     assert "2 ranks share 1 CPU core(s): the progress bar's 'idle' is each rank's idle share" in proc.stderr
