@@ -192,7 +192,7 @@ def test_more_ranks_than_cores_says_the_idle_share_measures_the_machine(tmp_path
     import os
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "pipeoptim.cli", "train", *TINY[:-2], "--schedule", "async-1f1b", "--steps", "2",
+    cmd = [sys.executable, "-m", "pipeoptim.cli", "train", *TINY[:-2], "--schedule", "async-1f1b", "--steps", "1",
            "--run-dir", str(tmp_path)]
     import fault_harness as fh
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=fh.env(),
