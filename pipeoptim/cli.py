@@ -17,7 +17,21 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["Command", "COMMANDS", "register", "lazy", "build_parser", "main"]
+__all__ = ["Command", "COMMANDS", "HelpFormatter", "register", "lazy", "build_parser", "main"]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` names every optional option's default: appended as "(default: X)" unless the help already
+    says "(default" itself (where X alone would not explain it); a switch's default is "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
+                or "(default" in text):
+            return text
+        if action.nargs == 0:  # store_true and the like
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
 
 
 @dataclass(frozen=True)
@@ -53,31 +67,50 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
+def _positive_float_or_inf(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number or inf, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
+    return value
+
+
+def _schedule_names() -> tuple[str, ...]:
+    from .runtime.config import SCHEDULES  # the names only: no torch
+    return SCHEDULES
+
+
 # ---- pipeoptim schedule ---------------------------------------------------------------------------------
 def _schedule_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="gpipe, 1f1b, interleaved, chimera, bitpipe, zb-h1, zbv, dualpipev, async-1f1b, "
-                   "async-zb or 2bw")
+    p.add_argument("name", choices=_schedule_names(), metavar="NAME", help="the schedule: %(choices)s")
     p.add_argument("--devices", "-D", type=_positive_int, required=True, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=_positive_int, required=True, help="micro-batches N")
-    p.add_argument("--chunks", type=_positive_int, default=None, help="interleaved: chunks per device v")
-    p.add_argument("--bwd-ratio", type=_positive_float, default=2.0,
-                   help="backward cost / forward cost (default 2)")
+    p.add_argument("--chunks", type=_positive_int, default=None,
+                   help="interleaved: chunks per device v (default: 2)")
+    p.add_argument("--bwd-ratio", type=_positive_float, default=2.0, help="backward cost / forward cost")
     _weight_share_argument(p)
     p.add_argument("--concat", choices=("reference", "greedy", "paced"), default="reference",
-                   help="chimera/bitpipe: how groups of D micro-batches are joined (default reference: the "
-                        "published order; greedy: bitpipe only)")
-    p.add_argument("--update-every", type=_positive_int, default=None, help="2bw: micro-batches per update m")
+                   help="chimera/bitpipe: how groups of D micro-batches are joined (reference: the published "
+                        "order; greedy: bitpipe only)")
+    p.add_argument("--update-every", type=_positive_int, default=None,
+                   help="2bw: micro-batches per update m (default: D)")
     p.add_argument("--data-parallel", action="store_true",
                    help="add gradient syncs across data-parallel copies of the pipeline")
-    p.add_argument("--png", help="write a timeline chart here")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here")
-    p.add_argument("--text", help="write the schedule in text notation here")
-    p.add_argument("--csv", help="write the per-device action lists as CSV here")
+    p.add_argument("--png", help="write a timeline chart here (default: none)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace (JSON) here (default: none)")
+    p.add_argument("--text", help="write the schedule in text notation here (default: none)")
+    p.add_argument("--csv", help="write the per-device action lists as CSV here (default: none)")
     p.add_argument("--no-grid", action="store_true", help="do not print the grid")
 
 
@@ -91,7 +124,7 @@ def _share(text: str) -> float:
 def _weight_share_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-share", type=_share, default=0.5,
                    help="share of the backward that is the weight gradient W of a split backward; the input "
-                        "gradient I is the rest (default 0.5: I = W)")
+                        "gradient I is the rest (0.5: I = W)")
 
 
 def _costs(forward: float, bwd_ratio: float, weight_share: float, **others):
@@ -165,29 +198,26 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", "-D", type=_positive_int, default=8, help="pipeline devices D (default 8)")
-    p.add_argument("--microbatches", "-N", type=_positive_int, default=32, help="micro-batches N (default 32)")
+    p.add_argument("--devices", "-D", type=_positive_int, default=8, help="pipeline devices D")
+    p.add_argument("--microbatches", "-N", type=_positive_int, default=32, help="micro-batches N")
     p.add_argument("--bwd-ratio", type=_positive_float, nargs="+", default=[1.0, 2.0],
                    help="backward/forward cost ratios to compare (default: 1 2)")
-    p.add_argument("--chunks", type=_positive_int, default=2, help="interleaved: chunks per device (default 2)")
+    p.add_argument("--chunks", type=_positive_int, default=2, help="interleaved: chunks per device")
     _weight_share_argument(p)
-    p.add_argument("--p2p-latency", type=float, default=0.0, help="per-hop latency (forward time units)")
-    p.add_argument("--p2p-bandwidth", type=float, default=float("inf"),
-                   help="activation sizes per forward time unit (default: free communication)")
-    p.add_argument("--schedules", nargs="+", default=None, help="subset of schedules (default: all)")
-    p.add_argument("--png", help="write bar charts here")
-    p.add_argument("--csv", help="write the table as CSV here")
+    p.add_argument("--p2p-latency", type=_non_negative_float, default=0.0, help="per-hop latency (forward time units)")
+    p.add_argument("--p2p-bandwidth", type=_positive_float_or_inf, default=float("inf"),
+                   help="activation sizes per forward time unit (default: inf, free communication)")
+    p.add_argument("--schedules", nargs="+", choices=_schedule_names(), default=None, metavar="NAME",
+                   help="subset of schedules, from: %(choices)s (default: all)")
+    p.add_argument("--png", help="write bar charts here (default: none)")
+    p.add_argument("--csv", help="write the table as CSV here (default: none)")
 
 
 def _compare_run(args: argparse.Namespace) -> int:
     import csv
 
-    from .schedules import SCHEDULES, ScheduleConfigError
+    from .schedules import ScheduleConfigError
     from .sim import compare
-    unknown = [n for n in (args.schedules or []) if n not in SCHEDULES]
-    if unknown:
-        print(f"error: unknown schedules {unknown}; choose from {', '.join(SCHEDULES)}", file=sys.stderr)
-        return 2
     by_ratio: dict[float, list[dict]] = {}
     for ratio in args.bwd_ratio:
         costs = _costs(1.0, ratio, args.weight_share, p2p_latency=args.p2p_latency,
@@ -230,16 +260,20 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
-register("train", "train a small GPT on the stdlib corpus through a pipeline (4 local processes by default)",
+register("train", "train a small GPT (or a Hugging Face model) through a pipeline (4 local processes by default) "
+                  "on the standard library's source or on your text (--data)",
          _train_arguments, lazy("pipeoptim.cli_train", "run"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeoptim", description="Pipeline-parallel training tools.")
+    parser = argparse.ArgumentParser(prog="pipeoptim", description="Pipeline-parallel training tools.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        # allow_abbrev off: "--resum" is an error, not --resume
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=HelpFormatter,
+                           allow_abbrev=False)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser

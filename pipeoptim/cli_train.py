@@ -1,4 +1,5 @@
-"""``pipeoptim train``: train a small GPT-style byte-level model on the Python standard library's source.
+"""``pipeoptim train``: train a small GPT-style byte-level model on the Python standard library's source, or on
+the user's own text (``--data``, byte-level or through a local ``--tokenizer`` for the Hugging Face models).
 
 The default is the project's showcase: 4 pipeline stages as 4 local processes on CPU (gloo), asynchronous
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
@@ -12,7 +13,10 @@ A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
 or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
 drops such updates instead); a rank that dies or freezes ends the job with a message naming it
-(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so).
+(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so), and
+a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted (``--overwrite``),
+never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
+answered as fast as ``--help``.
 Exit status: 0 done, 1 failed, 2 invalid configuration, 3 stopped on a non-finite value, 128+N stopped by
 signal N.
 """
@@ -26,6 +30,8 @@ import os
 import sys
 import time
 
+from .data import VOCAB_SIZE  # bytes, unless --tokenizer (pipeoptim.data loads torch only when it reads text)
+
 __all__ = ["add_arguments", "register", "run", "main"]
 
 SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
@@ -37,45 +43,72 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
 }
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop")
 NONFINITE_EXIT = 3
-# what a resumed run must share with the checkpoint it resumes (the rest may change: stages, schedule with the
-# same optimizer steps per window, micro-batch size, --steps)
-RESUME_MUST_MATCH = ("model", "optimizer", "precision")
+# what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
+# with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
+_DO_NOT_FIT = "its weights and optimizer state do not fit"
+RESUME_MUST_MATCH = {
+    "model": _DO_NOT_FIT, "optimizer": _DO_NOT_FIT, "precision": _DO_NOT_FIT,
+    "tokenizer": "its embedding rows are that tokenizer's token ids",
+    "seed": "a resumed run continues the checkpoint's random state (the data order), so another seed would "
+            "change nothing",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from .runtime.config import ASYNC_POLICIES, SCHEDULES  # no torch: the names only
     p.add_argument("--model", choices=SIZES, default="small",
-                   help="tiny, small (default, 0.2M params), medium: the project's GPT; hf-gpt2, hf-llama: Hugging "
+                   help="tiny, small (0.2M params), medium: the project's GPT; hf-gpt2, hf-llama: Hugging "
                         "Face models of the small size from configs (needs pip install 'pipeoptim[hf]')")
-    p.add_argument("--stages", type=int, default=4, help="pipeline devices = processes (default 4)")
-    p.add_argument("--schedule", default="async-1f1b",
-                   help="gpipe, 1f1b, interleaved, chimera, bitpipe, async-1f1b, 2bw (default async-1f1b)")
-    p.add_argument("--policy", default=None,
-                   help="weight policy for async schedules: pipeoptim (default), none, stash, spectrain, 2bw")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per schedule window (default 8)")
-    p.add_argument("--microbatch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
-    p.add_argument("--steps", type=int, default=200, help="schedule windows (train_step calls) to run (default 200)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="train on this text file, or on every text file under this folder, byte by byte (or "
+                        "through --tokenizer); the last 5%% of every file is held out for validation (default: "
+                        "the Python standard library's source, every 20th file held out)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
+                        "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
+                        "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
+    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes")
+    p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
+                   help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
+                        "schedule trains")
+    p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
+                   help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
+                        "none for synchronous schedules)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer of every stage")
+    p.add_argument("--lr", type=_positive_float, default=3e-3,
+                   help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth); "
+                        "with --resume a new value applies from the checkpoint's step on")
+    p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per schedule window")
+    p.add_argument("--microbatch-size", type=_positive_int, default=4, help="sequences per micro-batch")
+    p.add_argument("--steps", type=_positive_int, default=200, help="schedule windows (train_step calls) to run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, a GPU per stage")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (0: off)")
-    p.add_argument("--run-dir", default="runs/train", help="checkpoint, loss plot and history go here")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest intact checkpoint in --run-dir/checkpoint")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision")
+    p.add_argument("--clip", type=_non_negative_float, default=1.0,
+                   help="gradient clipping norm (0: off); with --resume a new value applies")
+    p.add_argument("--run-dir", default="runs/train", help="checkpoint/, loss.png and history.json go here")
+    start = p.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the newest intact checkpoint in --run-dir/checkpoint")
+    start.add_argument("--overwrite", action="store_true",
+                       help="start afresh in a --run-dir that holds an earlier run: its checkpoints, history.json "
+                            "and loss.png are deleted first")
     p.add_argument("--save-every", type=_non_negative_int, default=50,
-                   help="write a checkpoint every N windows, and at the end (0: only at the end; default 50)")
+                   help="write a checkpoint every N windows, and at the end (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_positive_int, default=2,
-                   help="keep the newest K checkpoints (default 2: one to fall back on)")
+                   help="keep the newest K checkpoints (2: one to fall back on)")
+    p.add_argument("--eval-every", type=_non_negative_int, default=20,
+                   help="validation loss every N windows (on one fixed held-out batch), and at the end (0: only "
+                        "at the end)")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
-                   help="a NaN/inf loss or gradient: stop with a checkpoint of the last finite state (default), "
-                        "or skip that update and go on")
+                   help="a NaN/inf loss or gradient: stop with a checkpoint of the last finite state, or skip "
+                        "that update and go on")
     p.add_argument("--watchdog-s", type=_positive_float, default=None,
                    help="seconds a rank may make no progress before the job ends naming it (default: "
                         "max(300, 20 x the slowest step))")
-    p.add_argument("--port", type=int, default=None,
+    p.add_argument("--port", type=_port, default=None,
                    help="rendezvous port (default: a free one, so several runs can share a machine)")
     p.add_argument("--emulate", action="store_true", help="run every stage in this process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the data order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -98,6 +131,20 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text}")
     return value
 
 
@@ -130,6 +177,12 @@ def _config(args) -> dict:
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
                     else f"{args.stages} GPUs (one per stage)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
+    if args.tokenizer and not args.model.startswith("hf-"):
+        from .runtime.plan import ConfigError
+        raise ConfigError(f"--tokenizer needs a Hugging Face model (--model hf-gpt2 or hf-llama); --model "
+                          f"{args.model} reads bytes")
+    if args.data:
+        _check_data(args.data, T)
     if args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
         try:
@@ -138,7 +191,66 @@ def _config(args) -> dict:
         except ImportError as e:
             raise ConfigError(f"--model {args.model}: {e}") from None
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
-    return dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
+    cfg = dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy, vocab_size=VOCAB_SIZE,
+               cores=_cores())
+    if args.tokenizer:
+        cfg["vocab_size"] = _check_tokens(cfg)
+    return cfg
+
+
+def _check_data(path: str, seq_len: int) -> None:
+    from .data import DataError, check_text
+    from .runtime.plan import ConfigError
+    try:
+        check_text(path, seq_len)
+    except DataError as e:
+        raise ConfigError(f"--data: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"--data: {path} cannot be read: {e.strerror or e}") from None
+
+
+def _load_tokenizer(name: str):
+    from .data import DataError, load_tokenizer
+    from .runtime.plan import ConfigError
+    try:
+        return load_tokenizer(name)
+    except DataError as e:
+        raise ConfigError(f"--tokenizer: {e}") from None
+
+
+def _corpus(cfg: dict):
+    """The run's text: --data or the standard library's source, as bytes or through --tokenizer."""
+    from .data import stdlib_corpus, text_corpus
+    encode = _load_tokenizer(cfg["tokenizer"])[0] if cfg.get("tokenizer") else None
+    if cfg.get("data"):
+        return text_corpus(cfg["data"], encode=encode)
+    return stdlib_corpus(max_bytes=4 << 20, encode=encode)
+
+
+def _check_tokens(cfg: dict) -> int:
+    """The tokenizer's vocabulary size, after checking that the tokenized text fills a window in each split."""
+    from .runtime.plan import ConfigError
+    vocab = _load_tokenizer(cfg["tokenizer"])[1]
+    corpus = _corpus(cfg)
+    train, val, T = corpus.train.numel(), corpus.val.numel(), cfg["seq_len"]
+    if min(train, val) < T + 2:
+        raise ConfigError(f"--tokenizer {cfg['tokenizer']}: the text makes {train} training and {val} validation "
+                          f"tokens, too few for one window of {T} tokens and the next ({T + 2} needed in each); "
+                          "give more text with --data")
+    return vocab
+
+
+def _cores() -> int:
+    """CPU cores this process may run on (what the ranks of a CPU run share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _oversubscribed(cfg: dict) -> bool:
+    """More CPU ranks than cores: a rank's idle share then includes waiting for a core, not only the bubble."""
+    return cfg["device"] == "cpu" and not cfg["emulate"] and cfg["stages"] > cfg.get("cores", cfg["stages"])
 
 
 def _optimizer(cfg):
@@ -157,7 +269,6 @@ def train_worker(cfg: dict) -> dict:
     """Runs on every rank (or once, emulated); returns the loss history."""
     import torch
 
-    from .data import stdlib_corpus
     from .models import GPTConfig, gpt_layers
     from .models.gpt import lm_loss
     from .train import NonFiniteError, Pipeline
@@ -181,7 +292,7 @@ def train_worker(cfg: dict) -> dict:
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
-    corpus = stdlib_corpus(max_bytes=4 << 20)
+    corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])
     history: list[dict] = []
     run_dir = cfg["run_dir"]
@@ -192,6 +303,10 @@ def train_worker(cfg: dict) -> dict:
         gen.set_state(extra["gen"])
         history = extra["history"]
         start = pipe.step_count
+        changed = _apply_lr(pipe, cfg["lr"], lr_lambda)
+        if rank == 0:
+            for line in changed + _changed_clip(extra.get("config") or {}, cfg):
+                print(f"pipeoptim train: {line}", file=sys.stderr)
     resumed = len(history)  # the history entries of the run(s) this one continues
 
     def save() -> str:
@@ -201,10 +316,16 @@ def train_worker(cfg: dict) -> dict:
     B = cfg["microbatches"] * cfg["microbatch_size"]
     tokens_per_step = B * cfg["seq_len"]
     bar = None
+    idle = "idle" if _oversubscribed(cfg) else "bubble"
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
+        if idle == "idle":
+            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(**cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
+    val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))  # one, fixed
+    if hf:
+        val_batch = (val_batch[0], val_batch[0])
     t_run = time.perf_counter()
     stopped = None
     for step in range(start, total_steps):
@@ -220,15 +341,18 @@ def train_worker(cfg: dict) -> dict:
         dt = time.perf_counter() - t0
         st = pipe.last_stats
         history.append({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / dt,
-                        "bubble": st["bubble"], "grad_norm": st["grad_norm"], "skipped": st.get("nonfinite", 0)})
+                        "bubble": st["bubble"], "grad_norm": st["grad_norm"], "skipped": st.get("nonfinite", 0),
+                        "val_loss": None})
         if stopped:
             break
+        if step + 1 == total_steps or (cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0):
+            history[-1]["val_loss"] = pipe.eval_step(val_batch)
         if bar is not None:
             if not math.isfinite(loss) or st.get("nonfinite"):
                 bar.write(f"step {step + 1}: NaN or inf (loss {loss:.4g}); {st.get('nonfinite', 0)} update(s) "
                           "skipped (--on-nonfinite skip)")
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}",
-                            bubble=f"{st['bubble'] * 100:.0f}%")
+            bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}",
+                             idle: f"{st['bubble'] * 100:.0f}%"})
             bar.update(1)
         if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < total_steps:
             save()
@@ -236,9 +360,8 @@ def train_worker(cfg: dict) -> dict:
         bar.close()
     elapsed = time.perf_counter() - t_run
     val = float("nan")
-    if not stopped:
-        val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))
-        val = pipe.eval_step((val_batch[0], val_batch[0]) if hf else val_batch)
+    if not stopped and history and history[-1].get("val_loss") is not None:
+        val = history[-1]["val_loss"]
     # a resume with nothing left to do writes nothing (the checkpoint it came from is already this state)
     directory = save() if start < total_steps else cfg["resume_from"]
     if rank == 0:
@@ -247,9 +370,42 @@ def train_worker(cfg: dict) -> dict:
             "checkpoint": directory, "start": resumed}
 
 
+_OVERSUBSCRIBED = ("{stages} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
+                   "which here includes waiting for a core, so it measures the machine more than the schedule's "
+                   "bubble (pipeoptim schedule NAME -D {stages} -N {microbatches} gives the schedule's own)")
+
+
+def _apply_lr(pipe, lr: float, lr_lambda) -> list[str]:
+    """After a resume: make ``lr`` the peak of the learning-rate schedule, which the checkpoint restored with
+    the old run's peak; the schedule continues at its step. Returns what changed, in words."""
+    old = None
+    for w in pipe.workers:
+        for st in w.stages.values():
+            sched = st.scheduler
+            old = sched.base_lrs[0] if old is None else old
+            if sched.base_lrs[0] == lr:
+                continue
+            sched.base_lrs = [lr] * len(st.optimizer.param_groups)
+            for group in st.optimizer.param_groups:
+                group["initial_lr"] = lr
+                group["lr"] = lr * lr_lambda(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in st.optimizer.param_groups]
+    if old is None or old == lr:
+        return []
+    return [f"--lr {lr:g} applies from step {pipe.step_count} on: the checkpoint was written with --lr {old:g} "
+            "(the learning-rate schedule goes on from where it was, with the new peak)"]
+
+
+def _changed_clip(saved: dict, cfg: dict) -> list[str]:
+    if "clip" not in saved or saved["clip"] == cfg["clip"]:
+        return []
+    new = f"--clip {cfg['clip']:g}" + (" (off)" if not cfg["clip"] else "")
+    return [f"{new} applies from here on: the checkpoint was written with --clip {saved['clip']:g}"]
+
+
 def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
-    out = {k: cfg[k] for k in RESUME_MUST_MATCH + ("schedule", "stages", "microbatches")}
+    out = {k: cfg[k] for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
     out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
     return out
 
@@ -272,11 +428,7 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
     saved = extra.get("config")
     if saved:
         mine = resume_config(cfg)
-        for key in RESUME_MUST_MATCH:
-            if saved[key] != mine[key]:
-                raise ConfigError(f"{directory} was written with --{key} {saved[key]} and this run asks for "
-                                  f"--{key} {mine[key]}: its weights and optimizer state do not fit. Resume with "
-                                  f"--{key} {saved[key]}, or start a new run in another --run-dir")
+        _refuse_changed(directory, saved, mine)
         if saved["updates_per_window"] != mine["updates_per_window"]:
             raise ConfigError(f"{directory} was written by schedule {saved['schedule']} with {saved['microbatches']} "
                               f"micro-batches ({saved['updates_per_window']} optimizer steps per window); "
@@ -287,6 +439,20 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
         print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
               file=sys.stderr)
     return directory, step, extra
+
+
+def _refuse_changed(directory: str, saved: dict, mine: dict) -> None:
+    """ConfigError naming both values if this run asks for another value of a flag that must match the
+    checkpoint (checkpoints from before a flag was recorded are not checked for it)."""
+    from .runtime.plan import ConfigError
+
+    def flag(key, value):
+        return f"no --{key}" if value is None else f"--{key} {value}"
+    for key, why in RESUME_MUST_MATCH.items():
+        if key in saved and saved[key] != mine[key]:
+            raise ConfigError(f"{directory} was written with {flag(key, saved[key])} and this run asks for "
+                              f"{flag(key, mine[key])}: {why}. Resume with {flag(key, saved[key])}, or start a new "
+                              "run in another --run-dir")
 
 
 @contextlib.contextmanager
@@ -325,6 +491,7 @@ def _hf_model(cfg: dict) -> dict:
     from .runtime.config import make_schedule
     config, cls = byte_level_config(cfg["model"].removeprefix("hf-"), d_model=cfg["d_model"],
                                     n_heads=cfg["n_heads"], n_layers=cfg["n_layers"], seq_len=cfg["seq_len"])
+    config.vocab_size = cfg["vocab_size"]  # the tokenizer's (--tokenizer), else 256 bytes
     with torch.device("meta"):
         model = cls(config)
     cut = causal_lm_layers(model)
@@ -333,23 +500,34 @@ def _hf_model(cfg: dict) -> dict:
                 **({"tied": cut.tied} if synchronous else {"copies": cut.tied}))
 
 
+def _strict_json(value):
+    """``value`` with every NaN and infinity as None: history.json is strict JSON (null), which any reader takes."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
 def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     os.makedirs(run_dir, exist_ok=True)
+    config = {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool, type(None)))}
     with open(os.path.join(run_dir, "history.json"), "w") as f:
-        json.dump({"config": {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool, type(None)))},
-                   "history": history}, f, indent=1)
+        json.dump(_strict_json({"config": config, "history": history}), f, indent=1, allow_nan=False)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    from .viz import plot_training
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history])
-    ax.set_xlabel("schedule window (train_step)")
-    ax.set_ylabel("training loss (nats/byte)")
     model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
-    ax.set_title(f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
+    unit = "nats/token" if cfg.get("tokenizer") else "nats/byte"
+    plot_training(ax, history, unit=unit,
+                  title=f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "loss.png"), dpi=100)
     plt.close(fig)
@@ -370,14 +548,48 @@ def _newest_checkpoint(root: str, failure: str = "") -> str:
     return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
 
 
+def _claim_run_dir(args, ckpt_root: str) -> None:
+    """A run directory holding an earlier run's checkpoints is continued (--resume) or deleted first
+    (--overwrite), never silently overwritten; ConfigError says which flag to use."""
+    from .runtime import checkpoint_files as files
+    from .runtime.plan import ConfigError
+    earlier = sorted(os.listdir(ckpt_root)) if os.path.isdir(ckpt_root) else []
+    if args.resume:
+        if not files.list_steps(ckpt_root) and not os.path.exists(os.path.join(ckpt_root, "meta.pt")):
+            raise ConfigError(f"--resume: no checkpoint in {ckpt_root}: a run writes one every --save-every "
+                              "windows and at its end. Start this run without --resume")
+    elif earlier and not args.overwrite:
+        steps = files.list_steps(ckpt_root)
+        what = f"checkpoints up to step {steps[0][0]}" if steps else f"{len(earlier)} checkpoint file(s)"
+        raise ConfigError(f"{args.run_dir} holds an earlier run ({what} in {ckpt_root}): continue it with "
+                          "--resume, or start afresh with --overwrite (deletes its checkpoints, history.json and "
+                          "loss.png), or give this run its own --run-dir")
+    elif args.overwrite:
+        import shutil
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+        for name in ("history.json", "loss.png"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(args.run_dir, name))
+        if earlier:
+            print(f"pipeoptim train: --overwrite: deleted the earlier run's checkpoints, history.json and loss.png "
+                  f"in {args.run_dir}", file=sys.stderr)
+
+
+def _idle_words(cfg: dict, percent: float) -> str:
+    if _oversubscribed(cfg):
+        return (f"idle {percent:.0f}% ({cfg['stages']} ranks on {cfg['cores']} core(s): it measures the machine, "
+                "not the schedule's bubble); ")
+    return f"bubble {percent:.0f}%; "
+
+
 def run(args) -> int:
     from .runtime.checkpoint_files import CheckpointError
-    from .runtime.launcher import JobInterrupted, launch
     from .runtime.plan import ConfigError, PipelineError
     ckpt_root = os.path.join(args.run_dir, "checkpoint")
     try:
-        cfg = _config(args)
+        cfg = _config(args)  # every check before torch is imported: a wrong flag is answered at once
         with _run_dir_lock(args.run_dir):
+            _claim_run_dir(args, ckpt_root)
             cfg["resume_from"] = None
             if args.resume:
                 try:
@@ -391,6 +603,7 @@ def run(args) -> int:
                     print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
                     return 0
                 print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
+            from .runtime.launcher import JobInterrupted, launch  # loads torch
             t0 = time.perf_counter()
             try:
                 if args.emulate:
@@ -422,14 +635,16 @@ def run(args) -> int:
         tail = hist[-max(1, len(hist) // 10):]
         print(f"steps {hist[0]['step']}..{hist[-1]['step']}: loss {first:.4f} -> {last:.4f}; "
               f"{sum(h['tokens_per_s'] for h in tail) / len(tail):,.0f} tokens/s; "
-              f"bubble {100 * sum(h['bubble'] for h in tail) / len(tail):.0f}%; "
+              + _idle_words(cfg, 100 * sum(h['bubble'] for h in tail) / len(tail))
               + (f"validation loss {result['val_loss']:.4f}; " if math.isfinite(result["val_loss"]) else "")
               + f"wall {time.perf_counter() - t0:.0f} s")
         print(f"run directory: {os.path.abspath(args.run_dir)} (checkpoint/, loss.png, history.json)")
     if result.get("stopped"):
         print(f"pipeoptim train: stopped at {result['stopped']}", file=sys.stderr)
         print(f"pipeoptim train: checkpoint of the last finite state: {result['checkpoint']}; after a fix, "
-              "continue with --resume", file=sys.stderr)
+              "continue with --resume (with a lower --lr or a --clip, which the resumed run applies). If the "
+              "loss had been climbing, the weights have diverged and no learning rate brings them back: start "
+              "again with --overwrite and a lower --lr", file=sys.stderr)
         return NONFINITE_EXIT
     print(f"final loss: {hist[-1]['loss'] if hist else float('nan'):.4f}")
     return 0
@@ -437,16 +652,18 @@ def run(args) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``train`` subcommand to a ``pipeoptim`` argparse subparsers object."""
+    from .cli import HelpFormatter
     p = subparsers.add_parser("train", help="train a small GPT on the stdlib corpus through a pipeline",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
 def main(argv=None) -> int:
+    from .cli import HelpFormatter
     p = add_arguments(argparse.ArgumentParser(prog="pipeoptim train", description=__doc__,
-                                              formatter_class=argparse.RawDescriptionHelpFormatter))
+                                              formatter_class=HelpFormatter, allow_abbrev=False))
     return run(p.parse_args(argv))
 
 

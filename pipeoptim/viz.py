@@ -165,3 +165,16 @@ def save_comparison_png(rows_by_ratio: dict, path: str, title: str = "") -> str:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_training(ax, history: list[dict], unit: str = "nats/byte", title: str = "") -> None:
+    """Draw a training run's history (``pipeoptim train``'s history.json rows) on ``ax``: the training loss
+    of every window and, as points joined by a line, the validation loss where it was measured."""
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1, label="training")
+    val = [(h["step"], h["val_loss"]) for h in history if h.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", ms=4, lw=1.2, label="validation (held-out batch)")
+    ax.set_xlabel("schedule window (train_step)")
+    ax.set_ylabel(f"loss ({unit})")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)

@@ -33,3 +33,47 @@ def test_digits_split():
     assert xt.shape[1:] == (1, 8, 8) and len(xt) + len(xs) == 1797
     assert 0.0 <= float(xt.min()) and float(xt.max()) <= 1.0
     assert set(yt.tolist()) == set(range(10))
+
+
+# ---- the user's own text (pipeoptim train --data) ------------------------------------------------------
+import pytest  # noqa: E402
+
+from pipeoptim.data import DataError, check_text, text_corpus, text_files  # noqa: E402
+
+
+def test_a_folder_of_text_files_skips_hidden_and_binary_files(tmp_path):
+    (tmp_path / "b.txt").write_text("b" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.md").write_text("a" * 100)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref")
+    (tmp_path / ".hidden.txt").write_text("x")
+    (tmp_path / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    assert [p.relative_to(tmp_path).as_posix() for p in text_files(tmp_path)] == ["b.txt", "sub/a.md"]
+    assert text_files(tmp_path / "b.txt") == [tmp_path / "b.txt"]
+
+
+def test_the_last_twentieth_of_every_file_is_held_out(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"A" * 190 + b"a" * 10)
+    (tmp_path / "b.txt").write_bytes(b"B" * 380 + b"b" * 20)
+    c = text_corpus(tmp_path)
+    assert bytes(c.train.tolist()) == b"A" * 190 + b"\n" + b"B" * 380
+    assert bytes(c.val.tolist()) == b"a" * 10 + b"\n" + b"b" * 20
+    assert check_text(tmp_path, seq_len=8) == (c.train.numel(), c.val.numel())  # sizes without reading
+
+
+def test_text_sources_that_cannot_train_are_named(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        check_text(tmp_path / "nope.txt", 32)
+    (tmp_path / "empty.txt").touch()
+    with pytest.raises(DataError, match="empty.txt is empty"):
+        check_text(tmp_path / "empty.txt", 32)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "x.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(DataError, match=r"holds only binary files \(1\)"):
+        check_text(tmp_path / "bin", 32)
+    (tmp_path / "short.txt").write_bytes(b"x" * 600)  # 30 bytes held out: < 32 + 2
+    with pytest.raises(DataError, match=r"570 for training and 30 held out .* give at least about 681 bytes"):
+        check_text(tmp_path / "short.txt", 32)
+    (tmp_path / "enough.txt").write_bytes(b"x" * 681)
+    assert check_text(tmp_path / "enough.txt", 32) == (647, 34)

@@ -102,11 +102,12 @@ def make_schedule(name: str, devices: int, microbatches: int, **params) -> Sched
 
 def check_policy(schedule: Schedule, policy: str | None) -> str:
     """The weight policy to run: synchronous schedules use 'none' (one version); async ones need a name."""
-    from ..policies import POLICIES
     if policy is None:
         return "none" if schedule.synchronous else ("2bw" if schedule.name == "2bw" else "pipeoptim")
-    if policy not in POLICIES:
-        raise ConfigError(f"unknown weight policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy not in ASYNC_POLICIES:  # a registered one, maybe: only then load the registry (and torch)
+        from ..policies import POLICIES
+        if policy not in POLICIES:
+            raise ConfigError(f"unknown weight policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if schedule.synchronous and policy != "none":
         raise ConfigError(f"schedule {schedule.name!r} is synchronous (every micro-batch sees the same weights), "
                           f"so weight policy {policy!r} has nothing to do; use policy 'none' or an asynchronous "
