@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -107,11 +107,14 @@ def same_buffer(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def _spans(buffers: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """(device, first byte, end byte) of each buffer that holds memory (not empty, not on the meta device)."""
+    spans = {}
+    for name, t in buffers.items():
+        if t.numel() and not t.is_meta:
+            start = t.data_ptr()
+            spans[name] = (t.device, start, start + t.numel() * t.element_size())
+    return spans
 
 
 def check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor],
@@ -123,17 +126,21 @@ def check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tenso
     compiled loops read and write in blocks, so a shifted overlap reads values already overwritten.
     `advice` gives the fix for a pair, where it is more specific than "a buffer of its own".
     """
-    names = list(written) + [k for k in read if k not in written]
     buffers = {**read, **written}
+    names = list(written) + [k for k in read if k not in written]
+    spans = _spans(buffers)
     for i, a in enumerate(names):
+        if a not in spans:
+            continue
+        _, a0, a1 = spans[a]
         for b in names[i + 1:]:
-            if a not in written and b not in written:
+            if b not in spans or (a not in written and b not in written):
                 continue
-            ta, tb = buffers[a], buffers[b]
-            if not _overlap(ta, tb):
+            _, b0, b1 = spans[b]
+            if a0 >= b1 or b0 >= a1 or spans[a][0] != spans[b][0]:
                 continue
             allowed = (a, b) in same_allowed or (b, a) in same_allowed
-            if allowed and same_buffer(ta, tb):
+            if allowed and same_buffer(buffers[a], buffers[b]):
                 continue
             fix = (advice or {}).get((a, b)) or (advice or {}).get((b, a)) or "give each a buffer of its own"
             how = "without being the same buffer" if allowed else "(they share memory)"
@@ -158,6 +165,8 @@ def check_step_s(step: object, s: object) -> tuple[int, float]:
 
 def _number(name: str, x: object) -> float:
     """A hyperparameter as a float: a real number or a one-element tensor (torch.optim allows a tensor lr)."""
+    if type(x) is float or type(x) is int:  # the common case, ahead of the slower checks below
+        return float(x)
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name} is a tensor of {x.numel()} elements; a hyperparameter tensor must hold "

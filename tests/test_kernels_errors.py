@@ -440,3 +440,15 @@ def test_buffers_that_require_grad_are_written_outside_autograd(backend, gen):
         assert predicted.grad_fn is None and not predicted.requires_grad
         results.append([_bits(t) for t in (w, out, predicted, *state.values())])
     assert all(torch.equal(a, b) for a, b in zip(*results)), f"{backend}: a Parameter w gave other bits"
+
+
+def test_meta_buffers_are_not_taken_for_overlapping():
+    """Meta tensors (shapes without memory, as while tracing) all report address 0: they share no memory, so
+    the overlap checks pass them (they used to be refused as `out overlaps m`) and auto runs them eagerly."""
+    def meta():
+        return torch.empty(N, device="meta")
+    out = meta()
+    assert pk.predict("adam", meta(), {"exp_avg": meta(), "exp_avg_sq": meta()}, GROUP, step=3, s=2, out=out) is out
+    out = meta()
+    assert pk.step_predict("adam", meta(), meta(), {"exp_avg": meta(), "exp_avg_sq": meta()}, GROUP, step=3, s=2,
+                           out=out) is out
