@@ -132,12 +132,12 @@ def check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tenso
     for i, a in enumerate(names):
         if a not in spans:
             continue
-        _, a0, a1 = spans[a]
+        device_a, a0, a1 = spans[a]
         for b in names[i + 1:]:
             if b not in spans or (a not in written and b not in written):
                 continue
-            _, b0, b1 = spans[b]
-            if a0 >= b1 or b0 >= a1 or spans[a][0] != spans[b][0]:
+            device_b, b0, b1 = spans[b]
+            if a0 >= b1 or b0 >= a1 or device_a != device_b:
                 continue
             allowed = (a, b) in same_allowed or (b, a) in same_allowed
             if allowed and same_buffer(buffers[a], buffers[b]):
