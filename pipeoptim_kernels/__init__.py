@@ -20,7 +20,7 @@ import torch
 from . import compiled, eager, rules, triton_backend
 from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, REFERENCE_RULES, STATE_ENTRIES,
                     STEP_PREDICT_RULES, register_rule)
-from .validate import check_flat, check_group, check_not_overlapping, check_out, check_step_s, same_buffer
+from .validate import check_predict_call, check_step_predict_call
 
 __all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
            "REFERENCE_RULES", "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
@@ -103,52 +103,31 @@ def predict(rule: str, w: torch.Tensor, state: Mapping[str, torch.Tensor], group
     """Predicted weights ŵ = w − s·lr·Δ for `rule`, after `step` completed optimizer steps.
 
     `state` maps torch.optim's state names (plus 'grad', the last gradient, where the rule uses it) to
-    flat buffers aligned with `w`. `out=w` predicts in place; another buffer may be a lower precision.
-    With `out=None` a new buffer is returned, except when nothing is to predict (s == 0 or step == 0):
-    then `w` itself is returned. Returns the tensor holding ŵ.
+    flat buffers aligned with `w`. `out=w` predicts in place; another buffer may be a lower precision
+    and must not overlap w or the state. With `out=None` a new buffer is returned, except when nothing
+    is to predict (s == 0 or step == 0): then `w` itself is returned. Zero-length buffers are valid
+    (nothing is computed). Returns the tensor holding ŵ.
     """
-    if not isinstance(rule, str) or (rule not in BUILTIN_RULES and rules.custom_rule(rule) is None):
-        raise rules.unknown_rule_error(rule)
-    if mode not in MODES:
-        raise ValueError(f"mode must be 'exact' (the optimizer's full rule), 'paper' (the paper's table) or "
-                         f"'reference' (the public PipeOptim code's rule), got {mode!r}")
-    check_flat("w", w)
-    group = check_group(group)
-    step, s = check_step_s(step, s)
-    if out is not None:
-        check_out(out, w)
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of flat buffers named as torch.optim names them, got {type(state).__name__}")
+    step, s = check_predict_call(rule, w, state, group, step, s, out, mode)
     builtin = rule in BUILTIN_RULES
-    if builtin:
-        for name in STATE_ENTRIES[rule]:
-            t = state.get(name)
-            if isinstance(t, torch.Tensor) and (t.dim() != 0 or name != "mu_product"):
-                check_flat(f"state[{name!r}]", t, ref=w)
-    no_work = s == 0 or step == 0
-    if no_work:
+    name = _resolve_backend(backend, w, w if out is None else out, builtin)
+    if s == 0 or step == 0:  # nothing to predict
         if out is None or out is w:
             return w
-        _resolve_backend(backend, w, out, builtin)
-        out.copy_(w)
+        with torch.no_grad():
+            out.copy_(w)
         return out
-    if builtin:
-        plan = _plan(rules.predict_plan, rule, state, group, step, s, mode)
-    elif mode != "exact":
-        raise ValueError(f"mode={mode!r} exists only for {', '.join(PAPER_RULES)}; custom rule {rule!r} has only "
-                         "mode='exact'")
+    plan = _plan(rules.predict_plan, rule, state, group, step, s, mode) if builtin else None
     if out is None:
         out = torch.empty_like(w)
-    if builtin:
-        check_not_overlapping(out, plan.tensors())
-    else:
-        check_not_overlapping(out, {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 1})
-    name = _resolve_backend(backend, w, out, builtin)
-    if builtin:
-        _PREDICT[name](plan, w, out)
-    else:
-        direction = rules.custom_rule(rule)(w, state, group, step)
-        eager.predict_direction(direction, w, s * rules.scalar(group["lr"]), out)
+    if w.numel() == 0:
+        return out
+    with torch.no_grad():  # like optimizer.step(): the kernels write outside autograd, on every backend alike
+        if builtin:
+            _PREDICT[name](plan, w, out)
+        else:
+            direction = rules.custom_rule(rule)(w, state, group, step)
+            eager.predict_direction(direction, w, s * rules.scalar(group["lr"]), out)
     return out
 
 
@@ -160,32 +139,18 @@ def step_predict(rule: str, w: torch.Tensor, grad: torch.Tensor, state: Mapping[
     call; the caller keeps its own step count, e.g. torch.optim's state['step']). Rules: sgd, adam,
     adamw. `out` is a separate buffer (fp32, bf16 or fp16), or `grad` itself: the step has finished
     with the gradient, so ŵ can take its place, saving a buffer and (on the CPU) the traffic of a
-    fourth written stream. With s == 0 it receives the stepped weights. Returns `out`.
+    fourth written stream. No other two of w, grad, out and the state may share memory. With s == 0
+    it receives the stepped weights. Zero-length buffers are valid (nothing is computed). Returns `out`.
     """
-    if rule not in STEP_PREDICT_RULES:
-        raise ValueError(f"step_predict supports {', '.join(STEP_PREDICT_RULES)}, got {rule!r}; for other "
-                         "optimizers call optimizer.step() and then pipeoptim_kernels.predict(...)")
-    check_flat("w", w)
-    check_flat("grad", grad, ref=w)
-    group = check_group(group)
-    step, s = check_step_s(step, s)
-    if out is None:
-        raise ValueError("step_predict needs out=, a buffer for the next forward's weights (not w itself)")
-    check_out(out, w)
-    if out is w:
-        raise ValueError("out must not be w: w receives the stepped weights and out the prediction")
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a dict of flat buffers named as torch.optim names them, got {type(state).__name__}")
-    for name in STATE_ENTRIES[rule]:
-        if isinstance(state.get(name), torch.Tensor):
-            check_flat(f"state[{name!r}]", state[name], ref=w)
+    step, s = check_step_predict_call(rule, w, grad, state, group, step, s, out)
+    name = _resolve_backend(backend, w, out, True)
     if rule == "sgd":
         plan = _plan(lambda r, *a: rules.sgd_step_plan(*a), rule, state, group, step, s)
     else:
         plan = _plan(rules.adam_step_plan, rule, state, group, step, s)
-    others = {"w": w, **plan.tensors} if same_buffer(out, grad) else {"w": w, "grad": grad, **plan.tensors}
-    check_not_overlapping(out, others)
-    name = _resolve_backend(backend, w, out, True)
+    if w.numel() == 0:
+        return out
     table = {"eager": eager, "cpu": compiled, "cuda": compiled, "triton": triton_backend}[name]
-    (table.sgd_step_predict if rule == "sgd" else table.adam_step_predict)(plan, w, grad, out)
+    with torch.no_grad():  # like optimizer.step(): the kernels write outside autograd, on every backend alike
+        (table.sgd_step_predict if rule == "sgd" else table.adam_step_predict)(plan, w, grad, out)
     return out
