@@ -169,9 +169,7 @@ class Executor:
             loss_sum = sum(float(v) for v in w.losses.values())
             stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall, len(w.nonfinite)], dtype=torch.float64)
             doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
-            dist.all_reduce(stats, group=self.groups.pp)
-            if self.dp_size > 1:
-                dist.all_reduce(stats, group=self.groups.dp)
+            dist.all_reduce(stats)  # every rank of every data-parallel copy at once (Groups checks the world)
         except PipelineError:
             raise
         except Exception as e:
