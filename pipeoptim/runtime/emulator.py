@@ -16,7 +16,6 @@ import time
 import torch
 
 from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
-from ..schedules.dataflow import input_transfer, output_transfer
 from .executor import describe_failure
 from .plan import Plan, PipelineError
 from .worker import DeviceWorker
@@ -43,24 +42,17 @@ class Emulator:
         norm_done = False
         sync_seen = [dict() for _ in range(D)]  # per device: Sync -> occurrences reached
 
-        def source(d: int, op):
-            if isinstance(op, Forward):
-                t = input_transfer(plan.schedule, op)
-                return None if t is None else (t.src, op)
-            t = output_transfer(plan.schedule, Forward(op.mb, op.stage, op.replica))
-            return None if t is None else (t.dst, op)
-
         def ready(d: int, op) -> bool:
-            src = source(d, op)
+            src = plan.input_source(op)
             if src is None:
                 return True
-            return op in self.workers[d].local if src[0] == d else (src[0], d, op) in mailbox
+            return op in self.workers[d].local if src == d else (src, d, op) in mailbox
 
         def take(d: int, op):
-            src = source(d, op)
+            src = plan.input_source(op)
             if src is None:
                 return None
-            return self.workers[d].local.pop(op) if src[0] == d else mailbox.pop((src[0], d, op))
+            return self.workers[d].local.pop(op) if src == d else mailbox.pop((src, d, op))
 
         while any(pos[d] < len(acts[d]) for d in range(D)):
             moved = False
@@ -76,7 +68,7 @@ class Emulator:
                                 break
                             data = take(d, a)
                             out = w.forward(a, data) if isinstance(a, Forward) else w.backward(a, data)
-                            t = output_transfer(plan.schedule, a)
+                            t = plan.output_of(a)
                             if out is not None and t is not None:
                                 if t.local:
                                     w.local[t.to_op] = out
@@ -103,8 +95,7 @@ class Emulator:
                                     coef = min(1.0, clip_norm / (grad_norm + 1e-6))
                             finite = math.isfinite(grad_norm) if plan.schedule.synchronous else None
                             if not plan.schedule.synchronous and clip_norm is not None:
-                                local = math.sqrt(sum(float(g.double().pow(2).sum())
-                                                      for g in w.master_grads([a.chunk])))
+                                local = w.chunk_norm(a.chunk)
                                 coef = min(1.0, clip_norm / (local + 1e-6))
                                 finite = math.isfinite(local)
                             w.step(pos[d], a, coef, finite)

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
-from ..schedules.dataflow import input_transfer, output_transfer
 from .comm import P2P
 from .faults import is_connection_loss
 from .plan import Plan, PipelineError
@@ -157,8 +156,7 @@ class Executor:
                         if clip_norm is not None:
                             coef = min(1.0, clip_norm / (grad_norm + 1e-6))
                     elif clip_norm is not None:
-                        local = math.sqrt(sum(float(g.double().pow(2).sum())
-                                              for g in w.master_grads([action.chunk])))
+                        local = w.chunk_norm(action.chunk)
                         coef = min(1.0, clip_norm / (local + 1e-6))
                         finite = math.isfinite(local)
                     if plan.schedule.synchronous:
@@ -171,9 +169,7 @@ class Executor:
             loss_sum = sum(float(v) for v in w.losses.values())
             stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall, len(w.nonfinite)], dtype=torch.float64)
             doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
-            dist.all_reduce(stats, group=self.groups.pp)
-            if self.dp_size > 1:
-                dist.all_reduce(stats, group=self.groups.dp)
+            dist.all_reduce(stats)  # every rank of every data-parallel copy at once (Groups checks the world)
         except PipelineError:
             raise
         except Exception as e:
@@ -192,14 +188,9 @@ class Executor:
                 "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12), "nonfinite": int(stats[4])}
 
     def _input(self, plan: Plan, op):
-        t = input_transfer(plan.schedule, op) if isinstance(op, Forward) else output_transfer(plan.schedule,
-                                                                                              Forward(op.mb, op.stage, op.replica))
-        if t is None:
+        src = plan.input_source(op)
+        if src is None:
             return None
-        if not isinstance(op, Forward):  # gradient comes back from the consumer of this stage's forward output
-            src = t.dst
-        else:
-            src = t.src
         if src == self.me:
             return self.worker.local.pop(op)
         return self.p2p.recv(src, op)
@@ -207,7 +198,7 @@ class Executor:
     def _deliver(self, plan: Plan, op, out) -> None:
         if out is None:
             return
-        t = output_transfer(plan.schedule, op)
+        t = plan.output_of(op)
         if t is None:
             return
         if t.local:

@@ -25,7 +25,7 @@ from functools import cached_property
 
 from ..schedules.actions import (Backward, BackwardWeight, Chunk, Forward, Handoff, Recv, Send, Step, Sync,
                                  is_compute, weight_grad_action)
-from ..schedules.dataflow import output_transfer
+from ..schedules.dataflow import Transfer, input_transfer, output_transfer
 from ..schedules.schedule import Schedule
 from ..schedules.timeline import run_timeline, unit_durations
 
@@ -121,6 +121,33 @@ class Plan:
                     if t is not None and not t.local and (not self.forward_only or isinstance(a, Forward)):
                         out[(t.src, t.dst)].append(t.to_op)
         return dict(out)
+
+    @cached_property
+    def _transfers(self) -> tuple[dict, dict]:
+        """Per compute action: where its output goes (a ``Transfer`` or None) and which device its input comes
+        from (None: the data, or the loss on the last stage). Derived once: the executor asks per action."""
+        outputs, sources = {}, {}
+        for row in self.actions:
+            for a in row:
+                if not is_compute(a):
+                    continue
+                outputs[a] = output_transfer(self.schedule, a)
+                if isinstance(a, Forward):
+                    t = input_transfer(self.schedule, a)
+                    sources[a] = None if t is None else t.src
+                elif not isinstance(a, BackwardWeight):
+                    t = output_transfer(self.schedule, Forward(a.mb, a.stage, a.replica))
+                    sources[a] = None if t is None else t.dst
+        return outputs, sources
+
+    def output_of(self, op) -> Transfer | None:
+        """Where the output of compute action ``op`` goes."""
+        return self._transfers[0][op]
+
+    def input_source(self, op) -> int | None:
+        """The device the input of ``op`` comes from (its own device for a hand-off); None: the data or the
+        loss."""
+        return self._transfers[1][op]
 
     # ---- weights ---------------------------------------------------------------------------------------
     @cached_property

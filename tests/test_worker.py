@@ -1,0 +1,55 @@
+"""runtime.worker.sum_of_squares: the squared gradient norm in one float32 pass per buffer, checked against a
+float64 sum written here, and exactly as finite as the gradients are."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeoptim.runtime.worker import sum_of_squares
+
+
+def _reference(tensors) -> float:
+    return math.fsum(float(x) ** 2 for t in tensors for x in t.detach().double().flatten().tolist())
+
+
+@pytest.mark.parametrize("sizes", [[1], [7, 1023], [4097, 3, 65537], [0, 5]])
+def test_matches_a_float64_sum_on_random_buffers(sizes):
+    g = torch.Generator().manual_seed(sum(sizes))
+    ts = [torch.randn(n, generator=g) * 10 ** torch.randint(-3, 4, (1,), generator=g).item() for n in sizes]
+    got = sum_of_squares(ts)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert float(got) == pytest.approx(_reference(ts), rel=2e-6)
+
+
+def test_low_precision_buffers_accumulate_in_float32():
+    # one value repeated is float32's worst case (every rounding biased the same way)
+    t = torch.full((100003,), 0.1, dtype=torch.bfloat16)
+    assert float(sum_of_squares([t])) == pytest.approx(_reference([t]), rel=2e-5)
+
+
+def test_a_large_buffer_stays_accurate():
+    # one float32 norm over 4M elements is off by ~2e-4; rows of 4,096 keep it near float32's own rounding
+    t = torch.randn(4 * 2**20 + 123, generator=torch.Generator().manual_seed(3))
+    exact = float(t.double().pow(2).sum())
+    assert float(sum_of_squares([t])) == pytest.approx(exact, rel=1e-7)
+    assert float(sum_of_squares([t[5:-7]])) == pytest.approx(float(t[5:-7].double().pow(2).sum()), rel=1e-6)
+
+
+def test_empty_list_is_zero():
+    assert float(sum_of_squares([])) == 0.0
+
+
+def test_a_large_finite_gradient_is_finite_not_an_overflow():
+    # float32 squares overflow above ~1.8e19; the verdict "non-finite" must mean a NaN or inf element
+    t = torch.tensor([3e20, -4e20, 1.0])
+    got = float(sum_of_squares([torch.ones(3), t]))
+    assert math.isfinite(got) and got == pytest.approx(_reference([torch.ones(3), t]), rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_element_makes_the_sum_non_finite(bad):
+    t = torch.randn(1000)
+    t[517] = bad
+    assert not math.isfinite(float(sum_of_squares([torch.randn(5), t])))
