@@ -26,6 +26,8 @@ import os
 import sys
 import time
 
+from .delay import LR_RULES, MOMENTUM_RULES
+
 __all__ = ["add_arguments", "register", "run", "main"]
 
 SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
@@ -52,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", default=None,
                    help="weight policy for async schedules: pipeoptim (default), none, stash, spectrain, 2bw")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--delay-lr", choices=LR_RULES, default="none",
+                   help="asynchronous schedules: each stage's lr as a function of its delay τ (pipemare: "
+                        "lr/τ^(1−min(k/K,1)); graphcore: lr·(0.25+0.75·(1−τ/τmax)); default none)")
+    p.add_argument("--delay-momentum", choices=MOMENTUM_RULES, default="none",
+                   help="asynchronous schedules: each stage's momentum/β1 as a function of its delay (nesterov: "
+                        "m+τ(0.99−m)/P; graphcore: 1−(1−m)(0.1+0.9(1−τ/τmax)); default none)")
+    p.add_argument("--delay-warmup", type=_non_negative_int, default=0,
+                   help="warm-up K in updates for the delay rules (pipemare's K; else a linear ramp; default 0)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per schedule window (default 8)")
     p.add_argument("--microbatch-size", type=int, default=4, help="sequences per micro-batch (default 4)")
@@ -116,6 +126,7 @@ def _config(args) -> dict:
     sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
     policy = check_policy(sched, args.policy)
     Plan(sched)
+    _check_delay(vars(args), sched)
     from .runtime.config import stages_for
     if stages_for(args.schedule, args.stages) > L + 2:
         from .runtime.plan import ConfigError
@@ -153,6 +164,24 @@ def _optimizer(cfg):
     return lambda ps: torch.optim.RMSprop(ps, lr=lr)
 
 
+def _check_delay(cfg: dict, sched) -> None:
+    from .delay import DelayRules
+    from .runtime.plan import ConfigError
+    try:
+        rules = DelayRules.of(_delay_hparams(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rules.active and sched.synchronous:
+        raise ConfigError(f"--delay-lr/--delay-momentum/--delay-warmup adapt each stage to its delay, but "
+                          f"--schedule {sched.name} is synchronous (every delay is 0); use --schedule async-1f1b, "
+                          "async-zb or 2bw, or drop the --delay-* flags")
+
+
+def _delay_hparams(cfg: dict) -> dict:
+    return {"lr": cfg.get("delay_lr", "none"), "momentum": cfg.get("delay_momentum", "none"),
+            "warmup": cfg.get("delay_warmup", 0)}
+
+
 def train_worker(cfg: dict) -> dict:
     """Runs on every rank (or once, emulated); returns the loss history."""
     import torch
@@ -179,7 +208,7 @@ def train_worker(cfg: dict) -> dict:
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
-                    watchdog_s=cfg["watchdog_s"], **model_kw)
+                    watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg), **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = stdlib_corpus(max_bytes=4 << 20)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -249,6 +278,7 @@ def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
     out = {k: cfg[k] for k in RESUME_MUST_MATCH + ("schedule", "stages", "microbatches")}
     out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
+    out["delay"] = _delay_hparams(cfg)
     return out
 
 
@@ -272,6 +302,12 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int]:
                 raise ConfigError(f"{directory} was written with --{key} {saved[key]} and this run asks for "
                                   f"--{key} {mine[key]}: its weights and optimizer state do not fit. Resume with "
                                   f"--{key} {saved[key]}, or start a new run in another --run-dir")
+        before = saved.get("delay", _delay_hparams({}))
+        if before != mine["delay"]:
+            flags = lambda d: f"--delay-lr {d['lr']} --delay-momentum {d['momentum']} --delay-warmup {d['warmup']}"  # noqa: E731
+            raise ConfigError(f"{directory} was written with {flags(before)} and this run asks for "
+                              f"{flags(mine['delay'])}: the learning-rate schedule's state would not carry over. "
+                              f"Resume with {flags(before)}, or start a new run in another --run-dir")
         if saved["updates_per_window"] != mine["updates_per_window"]:
             raise ConfigError(f"{directory} was written by schedule {saved['schedule']} with {saved['microbatches']} "
                               f"micro-batches ({saved['updates_per_window']} optimizer steps per window); "

@@ -38,3 +38,23 @@ def test_emulated_cuda_without_a_gpu_is_refused(capsys, tmp_path):
     # issue 15, defect 2: `--emulate --device cuda` must not fall back to the CPU in silence
     assert main(["--emulate", "--device", "cuda", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
     assert "--device cuda needs a GPU (--emulate runs every stage on one)" in capsys.readouterr().err
+
+
+def test_delay_flags_train_and_resume_only_with_the_same_flags(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--run-dir", str(tmp_path), "--no-progress"]
+    delay = ["--delay-lr", "pipemare", "--delay-momentum", "nesterov", "--delay-warmup", "8"]
+    assert main(common + delay + ["--steps", "2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final loss: ")
+    assert main(common + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "written with --delay-lr pipemare --delay-momentum nesterov --delay-warmup 8" in err, err
+    assert main(common + delay + ["--steps", "3", "--resume"]) == 0
+
+
+def test_delay_flags_on_a_synchronous_schedule_are_refused(capsys, tmp_path):
+    assert main(["--emulate", "--schedule", "1f1b", "--delay-momentum", "nesterov", "--steps", "1",
+                 "--run-dir", str(tmp_path)]) == 2
+    assert "--schedule 1f1b is synchronous" in capsys.readouterr().err
+    assert main(["--emulate", "--delay-lr", "pipemare", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--delay-warmup K" in capsys.readouterr().err
