@@ -37,7 +37,7 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
     "hf-gpt2": (64, 4, 4, 64),   # transformers.GPT2LMHeadModel, meta-built
     "hf-llama": (64, 4, 4, 64),  # transformers.LlamaForCausalLM, meta-built
 }
-OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop")
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon on the matrices + AdamW
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes (the rest may change: stages, schedule with the
 # same optimizer steps per window, micro-batch size, --steps)
@@ -53,7 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="gpipe, 1f1b, interleaved, chimera, bitpipe, async-1f1b, 2bw (default async-1f1b)")
     p.add_argument("--policy", default=None,
                    help="weight policy for async schedules: pipeoptim (default), none, stash, spectrain, 2bw")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="nadam: decoupled weight decay 0.01; muon: torch.optim.Muon (--lr) on 2-D weights beside "
+                        "AdamW (lr 1e-3) on the rest, predicted with --predict-from last_update")
+    p.add_argument("--momentum", type=float, default=None,
+                   help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
+    p.add_argument("--predict-from", choices=("optimizer", "last_update"), default="optimizer",
+                   help="PipeOptim's Δ: the optimizer's own rule (default) or the last applied update (any optimizer)")
     p.add_argument("--delay-lr", choices=LR_RULES, default="none",
                    help="asynchronous schedules: each stage's lr as a function of its delay τ (pipemare: "
                         "lr/τ^(1−min(k/K,1)); graphcore: lr·(0.25+0.75·(1−τ/τmax)); default none)")
@@ -149,19 +155,46 @@ def _config(args) -> dict:
         except ImportError as e:
             raise ConfigError(f"--model {args.model}: {e}") from None
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
-    return dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
+    cfg = dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy)
+    _check_prediction(cfg)
+    return cfg
 
 
 def _optimizer(cfg):
     import torch
     name, lr = cfg["optimizer"], cfg["lr"]
+    m = cfg.get("momentum")
+    b1 = 0.9 if m is None else m
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01)
     if name == "adam":
-        return lambda ps: torch.optim.Adam(ps, lr=lr)
+        return lambda ps: torch.optim.Adam(ps, lr=lr, betas=(b1, 0.999))
+    if name == "nadam":
+        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01,
+                                            decoupled_weight_decay=True)
+    if name == "muon":
+        from .optim import muon_and_adamw
+        return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
+                              adamw_weight_decay=0.01)
     if name == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=b1)
     return lambda ps: torch.optim.RMSprop(ps, lr=lr)
+
+
+def _policy_options(cfg: dict) -> dict:
+    delta = cfg.get("predict_from", "optimizer")
+    return {"delta": delta} if cfg["policy"] == "pipeoptim" and delta != "optimizer" else {}
+
+
+def _check_prediction(cfg: dict) -> None:
+    from .runtime.plan import ConfigError
+    delta = cfg.get("predict_from", "optimizer")
+    if delta != "optimizer" and cfg["policy"] != "pipeoptim":
+        raise ConfigError(f"--predict-from {delta} chooses PipeOptim's Δ, but the policy is {cfg['policy']}; use "
+                          "--policy pipeoptim or drop --predict-from")
+    if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" and delta == "optimizer":
+        raise ConfigError("--optimizer muon has no prediction rule of its own (Muon + AdamW); predict from the last "
+                          "applied update: --predict-from last_update")
 
 
 def _check_delay(cfg: dict, sched) -> None:
@@ -208,7 +241,8 @@ def train_worker(cfg: dict) -> dict:
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
-                    watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg), **model_kw)
+                    watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
+                    policy_options=_policy_options(cfg), **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = stdlib_corpus(max_bytes=4 << 20)
     gen = torch.Generator().manual_seed(cfg["seed"])

@@ -30,6 +30,8 @@ name; call ``train_step(batch)`` on every rank.
 - A NaN or inf loss or gradient is found on every rank at the same ``train_step``; no update with a non-finite
   gradient is ever applied. ``on_nonfinite="stop"`` (default) then raises ``NonFiniteError`` on every rank
   (the weights hold the last finite state: save them); ``"skip"`` drops those updates and goes on.
+- ``optimizer`` may return a list of optimizers over the stage's parameters (e.g. ``optim.muon_and_adamw()``:
+  torch.optim.Muon for the matrices, AdamW for the rest); they are stepped as one (``optim.ChainedOptimizer``).
 - ``delay_hparams=dict(lr="pipemare", momentum="nesterov", warmup=64)`` (asynchronous schedules): each stage's
   lr and momentum as functions of its delay, with a warm-up in updates (``delay``; the formulas are there).
 - ``watchdog_s``: how long a rank may make no progress inside the pipeline before the job ends, naming the
@@ -46,6 +48,7 @@ from torch import nn
 
 from .copies import check_copies, copy_starts
 from .delay import DelayAwareHParams, DelayRules, stage_delays
+from .optim import as_optimizer
 from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
@@ -238,7 +241,7 @@ class Pipeline:
     def _runtime(self, chunk: Chunk, module: StageModule, optimizer, lr_scheduler, working, policy_options,
                  ckpt) -> StageRuntime:
         names = {local: module.global_name(local) for local, _ in module.named_parameters()}
-        opt = optimizer(module.parameters())
+        opt = as_optimizer(optimizer(module.parameters()))  # a list of optimizers is chained into one
         pol = make_policy(self.policy_name, module, opt, update_every=self.plan.update_every(chunk),
                           working_dtype=working, **policy_options)
         if hasattr(pol, "place"):    # PipeOptim's constant s rules (paper, reference) need the stage's place

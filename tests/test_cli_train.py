@@ -58,3 +58,16 @@ def test_delay_flags_on_a_synchronous_schedule_are_refused(capsys, tmp_path):
     assert "--schedule 1f1b is synchronous" in capsys.readouterr().err
     assert main(["--emulate", "--delay-lr", "pipemare", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
     assert "--delay-warmup K" in capsys.readouterr().err
+
+
+def test_muon_and_nadam_train_with_last_update_prediction(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--no-progress", "--steps", "2"]
+    assert main(common + ["--optimizer", "muon", "--lr", "0.02", "--run-dir", str(tmp_path / "m")]) == 2
+    assert "--predict-from last_update" in capsys.readouterr().err
+    assert main(common + ["--optimizer", "muon", "--lr", "0.02", "--predict-from", "last_update",
+                          "--run-dir", str(tmp_path / "m")]) == 0
+    assert main(common + ["--optimizer", "nadam", "--momentum", "0.99", "--run-dir", str(tmp_path / "n")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final loss: ")
+    assert main(common + ["--policy", "stash", "--predict-from", "last_update", "--run-dir", str(tmp_path / "s")]) == 2
+    assert "--policy pipeoptim" in capsys.readouterr().err
