@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "AdamW (lr 1e-3) on the rest, predicted with --predict-from last_update")
     p.add_argument("--momentum", type=float, default=None,
                    help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
+    p.add_argument("--dc", type=float, default=0.0,
+                   help="--policy stash: DC-ASGD's delay compensation λ, g + λ·g⊙g⊙(w_now − w_stash) (default 0: off)")
     p.add_argument("--predict-from", choices=("optimizer", "last_update"), default="optimizer",
                    help="PipeOptim's Δ: the optimizer's own rule (default) or the last applied update (any optimizer)")
     p.add_argument("--delay-lr", choices=LR_RULES, default="none",
@@ -182,8 +184,10 @@ def _optimizer(cfg):
 
 
 def _policy_options(cfg: dict) -> dict:
-    delta = cfg.get("predict_from", "optimizer")
-    return {"delta": delta} if cfg["policy"] == "pipeoptim" and delta != "optimizer" else {}
+    delta, dc = cfg.get("predict_from", "optimizer"), cfg.get("dc", 0.0)
+    if cfg["policy"] == "pipeoptim" and delta != "optimizer":
+        return {"delta": delta}
+    return {"dc": dc} if cfg["policy"] == "stash" and dc else {}
 
 
 def _check_prediction(cfg: dict) -> None:
@@ -192,6 +196,12 @@ def _check_prediction(cfg: dict) -> None:
     if delta != "optimizer" and cfg["policy"] != "pipeoptim":
         raise ConfigError(f"--predict-from {delta} chooses PipeOptim's Δ, but the policy is {cfg['policy']}; use "
                           "--policy pipeoptim or drop --predict-from")
+    dc = cfg.get("dc", 0.0)
+    if dc and cfg["policy"] != "stash":
+        raise ConfigError(f"--dc {dc} corrects stashed gradients; use it with --policy stash (and --schedule "
+                          "async-1f1b or async-zb)")
+    if not 0.0 <= dc < math.inf:
+        raise ConfigError(f"--dc must be a finite number >= 0, got {dc}")
     if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" and delta == "optimizer":
         raise ConfigError("--optimizer muon has no prediction rule of its own (Muon + AdamW); predict from the last "
                           "applied update: --predict-from last_update")

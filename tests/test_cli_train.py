@@ -71,3 +71,11 @@ def test_muon_and_nadam_train_with_last_update_prediction(tmp_path, capsys, one_
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final loss: ")
     assert main(common + ["--policy", "stash", "--predict-from", "last_update", "--run-dir", str(tmp_path / "s")]) == 2
     assert "--policy pipeoptim" in capsys.readouterr().err
+
+
+def test_dc_flag_needs_the_stash_policy(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--no-progress", "--steps", "1", "--dc", "2.0"]
+    assert main(common + ["--run-dir", str(tmp_path / "a")]) == 2
+    assert "use it with --policy stash" in capsys.readouterr().err
+    assert main(common + ["--policy", "stash", "--run-dir", str(tmp_path / "b")]) == 0

@@ -144,7 +144,9 @@ class WeightPolicy:
             self._input_done.add(mb)
             return
         self._input_done.discard(mb)
-        self._release(mb, self._in_flight.pop(mb))
+        tag = self._in_flight.pop(mb)
+        self._gradient_done(mb, tag)
+        self._release(mb, tag)
         self._act_now -= self._act.pop(mb, 0)
         self._backwards += 1
         self.binding.grads_changed()
@@ -295,6 +297,9 @@ class WeightPolicy:
     def _resolve(self, group: int, tag: Any) -> torch.Tensor:
         """The flat buffer a weight saved in a forward reads at backward time (default: the real weights)."""
         return self.binding.groups[group].work
+
+    def _gradient_done(self, mb: Hashable, tag: Any) -> None:
+        """mb's gradient is complete in the gradient buffers (not called for a discarded micro-batch)."""
 
     def _release(self, mb: Hashable, tag: Any) -> None:
         """mb's backward is done (or it was discarded)."""
