@@ -161,3 +161,18 @@ def test_without_rules_nothing_changes(one_thread):
     plain, none = _pipe(None), _pipe(dict(lr="none", momentum="none", warmup=0))
     assert plain.delay_rules is None and none.delay_rules is None
     assert math.isclose(plain.train_step(rc.batch(0)), none.train_step(rc.batch(0)), rel_tol=0, abs_tol=0)
+
+
+def test_rules_reach_every_child_of_a_chained_optimizer():
+    from pipeoptim.optim import ChainedOptimizer
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    opt = ChainedOptimizer([torch.optim.Muon(mats, lr=0.02, momentum=0.95), torch.optim.AdamW(rest, lr=1e-3)])
+    sched = DelayAwareHParams(opt, DelayRules(lr="graphcore", momentum="nesterov"), delay=2, max_delay=3, stages=4)
+    muon, adamw = opt.children[0].param_groups[0], opt.children[1].param_groups[0]
+    assert muon["momentum"] == pytest.approx(_nesterov_beta1(0.95, 2, 4))
+    assert adamw["betas"][0] == pytest.approx(_nesterov_beta1(0.9, 2, 4))
+    assert muon["lr"] == pytest.approx(_graphcore_lr(0.02, 1, 4)) and adamw["lr"] == pytest.approx(_graphcore_lr(1e-3, 1, 4))
+    sched.step()
+    assert muon["lr"] == pytest.approx(_graphcore_lr(0.02, 1, 4))  # no compounding across updates

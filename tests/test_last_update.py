@@ -146,3 +146,23 @@ def test_chained_muon_and_adamw_predict_from_their_last_update():
     want = torch.cat([(after + 2.0 * (after - before))[starts[index[id(p)]]:starts[index[id(p)]] + p.numel()]
                       for p in order])
     torch.testing.assert_close(_predicted(pol, 2.0), want, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_working_weights_read_the_prediction_of_the_fp32_masters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False))
+    pol = make_policy("pipeoptim", model, torch.optim.Muon(model.parameters(), lr=0.02), delta="last_update",
+                      mechanism="pointer", backend="eager", working_dtype=torch.bfloat16)
+    masters = [m for _, m in pol.binding.named_master_params()]
+    for i in range(3):
+        with pol.forward(i, s=0):
+            loss = model(_batch(i).to(torch.bfloat16)).float().pow(2).mean()
+        with pol.backward(i):
+            loss.backward()
+        before = torch.cat([m.detach().reshape(-1).clone() for m in masters])
+        pol.step()
+    after = torch.cat([m.detach().reshape(-1).clone() for m in masters])
+    got = _predicted(pol, 2.0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), after + 2.0 * (after - before), rtol=1e-2, atol=1e-3)
+    assert pol.last_update.buffers[0].dtype == torch.float32

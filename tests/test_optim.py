@@ -129,3 +129,22 @@ def test_async_pipeline_predicts_muon_from_its_last_update_and_resumes(tmp_path,
         resumed.train_step(rc.batch(i % 2))
     for k, v in straight.named_parameters().items():
         assert torch.equal(resumed.named_parameters()[k], v), k
+
+
+def test_a_checkpoint_of_one_chain_does_not_load_into_another(tmp_path, one_thread):
+    from pipeoptim.runtime.checkpoint import CheckpointError
+
+    def make(factory):
+        return Pipeline(gpt_layers(rc.CFG, seed=1), loss_fn=lm_loss, optimizer=factory, devices=2, schedule="1f1b",
+                        microbatches=2, emulate=True)
+    muon = make(muon_and_adamw(lr=0.02))
+    muon.train_step(rc.batch(0))
+    muon.save(str(tmp_path / "ck"))
+
+    def sgd_and_adamw(params):
+        params = list(params)
+        return [torch.optim.SGD([p for p in params if p.ndim == 2], lr=0.1),
+                torch.optim.AdamW([p for p in params if p.ndim != 2], lr=1e-3)]
+    with pytest.raises(CheckpointError, match=r"ChainedOptimizer\(Muon, AdamW\)"):
+        make(sgd_and_adamw).load(str(tmp_path / "ck"))
+    make(muon_and_adamw(lr=0.02)).load(str(tmp_path / "ck"))
