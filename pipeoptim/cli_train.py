@@ -196,6 +196,9 @@ def _check_prediction(cfg: dict) -> None:
     if delta != "optimizer" and cfg["policy"] != "pipeoptim":
         raise ConfigError(f"--predict-from {delta} chooses PipeOptim's Δ, but the policy is {cfg['policy']}; use "
                           "--policy pipeoptim or drop --predict-from")
+    m = cfg.get("momentum")
+    if m is not None and not 0.0 <= m < 1.0:
+        raise ConfigError(f"--momentum must be in [0, 1) (β1 or momentum), got {m}")
     dc = cfg.get("dc", 0.0)
     if dc and cfg["policy"] != "stash":
         raise ConfigError(f"--dc {dc} corrects stashed gradients; use it with --policy stash (and --schedule "

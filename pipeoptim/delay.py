@@ -30,8 +30,10 @@ adapt, so the Pipeline refuses the option there.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # the CLI reads the rule names before it loads torch
+    import torch
 
 __all__ = ["LR_RULES", "MOMENTUM_RULES", "DelayRules", "DelayAwareHParams", "lr_factor", "momentum_for",
            "stage_delays"]

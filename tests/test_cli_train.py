@@ -79,3 +79,20 @@ def test_dc_flag_needs_the_stash_policy(tmp_path, capsys, one_thread):
     assert main(common + ["--run-dir", str(tmp_path / "a")]) == 2
     assert "use it with --policy stash" in capsys.readouterr().err
     assert main(common + ["--policy", "stash", "--run-dir", str(tmp_path / "b")]) == 0
+
+
+def test_train_flags_are_read_without_loading_torch():
+    # the --delay-* choices come from pipeoptim.delay, which must not load torch for `pipeoptim train --help`
+    import subprocess
+    import sys
+    code = ("import sys, argparse; from pipeoptim.cli_train import add_arguments; "
+            "add_arguments(argparse.ArgumentParser()).parse_args(['--delay-lr', 'graphcore']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"
+
+
+def test_momentum_out_of_range_is_refused(tmp_path, capsys):
+    assert main(["--emulate", "--momentum", "1.0", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--momentum must be in [0, 1)" in capsys.readouterr().err
