@@ -127,8 +127,8 @@ class DelayAwareHParams:
 
     `step()` after every optimizer update (the Pipeline's workers call it where they step an LR scheduler); it
     steps the wrapped scheduler `inner` on the undelayed lr first. `state_dict()` / `load_state_dict()` hold the
-    update count, the undelayed values and the inner scheduler's state; loading re-applies this stage's values
-    (a checkpoint's param groups come from one stage)."""
+    update count and the inner scheduler's state; loading re-applies this stage's values (a checkpoint's param
+    groups come from one stage)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, rules: DelayRules, *, delay: float, max_delay: float,
                  stages: int, inner=None):
@@ -183,18 +183,19 @@ class DelayAwareHParams:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"updates": self.updates, "lr": list(self._lr), "momentum": list(self._momentum),
-                "inner": None if self.inner is None else self.inner.state_dict()}
+        return {"updates": self.updates, "inner": None if self.inner is None else self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the update count and the inner scheduler; the undelayed lr is the inner scheduler's (else the
+        optimizer's own), the undelayed momentum the optimizer's own, so one stage's saved state loads into every
+        stage, whatever its param groups."""
         if "updates" not in state:
             raise ValueError("this LR-scheduler state was not saved with delay-aware hyper-parameters; resume "
                              "with the options the checkpoint was written with")
         if self.inner is not None and state["inner"] is not None:
             self.inner.load_state_dict(state["inner"])
+            self._lr = [float(x) for x in self.inner.get_last_lr()]
         self.updates = int(state["updates"])
-        self._lr = [float(x) for x in state["lr"]]
-        self._momentum = list(state["momentum"])
         self._apply()
 
     def __repr__(self) -> str:

@@ -176,3 +176,27 @@ def test_rules_reach_every_child_of_a_chained_optimizer():
     assert muon["lr"] == pytest.approx(_graphcore_lr(0.02, 1, 4)) and adamw["lr"] == pytest.approx(_graphcore_lr(1e-3, 1, 4))
     sched.step()
     assert muon["lr"] == pytest.approx(_graphcore_lr(0.02, 1, 4))  # no compounding across updates
+
+
+def test_resume_keeps_each_stages_own_lr(tmp_path, one_thread):
+    """The checkpoint's scheduler state comes from one stage; stages built with other lrs keep theirs."""
+    def factory(params):
+        params = list(params)
+        lr = 1e-2 if any(p.shape[0] == 256 for p in params) else 5e-3   # embedding and head stages: 1e-2
+        return torch.optim.AdamW(params, lr=lr)
+
+    def make():
+        return _pipe(dict(lr="graphcore", momentum="nesterov", warmup=6), optimizer=factory)
+    straight = make()
+    for i in range(4):
+        straight.train_step(rc.batch(i))
+    first = make()
+    for i in range(2):
+        first.train_step(rc.batch(i))
+    first.save(str(tmp_path / "ck"))
+    resumed = make()
+    resumed.load(str(tmp_path / "ck"))
+    for i in range(2, 4):
+        resumed.train_step(rc.batch(i))
+    for k, v in straight.named_parameters().items():
+        assert torch.equal(resumed.named_parameters()[k], v), k
