@@ -31,6 +31,7 @@ import sys
 import time
 
 from .data import VOCAB_SIZE  # bytes, unless --tokenizer (pipeoptim.data loads torch only when it reads text)
+from .delay import LR_RULES, MOMENTUM_RULES
 
 __all__ = ["add_arguments", "register", "run", "main"]
 
@@ -41,7 +42,7 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
     "hf-gpt2": (64, 4, 4, 64),   # transformers.GPT2LMHeadModel, meta-built
     "hf-llama": (64, 4, 4, 64),  # transformers.LlamaForCausalLM, meta-built
 }
-OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop")
+OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon on the matrices + AdamW
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
 # with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
@@ -74,7 +75,24 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
                    help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
                         "none for synchronous schedules)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer of every stage")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "
+                        "(--lr) on 2-D weights beside AdamW (lr 1e-3) on the rest, predicted with --predict-from "
+                        "last_update")
+    p.add_argument("--momentum", type=float, default=None,
+                   help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
+    p.add_argument("--dc", type=_non_negative_float, default=0.0,
+                   help="--policy stash: DC-ASGD's delay compensation λ, g + λ·g⊙g⊙(w_now − w_stash) (0: off)")
+    p.add_argument("--predict-from", choices=("optimizer", "last_update"), default="optimizer",
+                   help="PipeOptim's Δ: the optimizer's own rule or the last applied update (any optimizer)")
+    p.add_argument("--delay-lr", choices=LR_RULES, default="none",
+                   help="asynchronous schedules: each stage's lr as a function of its delay τ (pipemare: "
+                        "lr/τ^(1−min(k/K,1)); graphcore: lr·(0.25+0.75·(1−τ/τmax)))")
+    p.add_argument("--delay-momentum", choices=MOMENTUM_RULES, default="none",
+                   help="asynchronous schedules: each stage's momentum/β1 as a function of its delay (nesterov: "
+                        "m+τ(0.99−m)/P; graphcore: 1−(1−m)(0.1+0.9(1−τ/τmax)))")
+    p.add_argument("--delay-warmup", type=_non_negative_int, default=0,
+                   help="warm-up K in updates for the delay rules (pipemare's K; else a linear ramp)")
     p.add_argument("--lr", type=_positive_float, default=3e-3,
                    help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth); "
                         "with --resume a new value applies from the checkpoint's step on")
@@ -163,6 +181,7 @@ def _config(args) -> dict:
     sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
     policy = check_policy(sched, args.policy)
     Plan(sched)
+    _check_delay(vars(args), sched)
     from .runtime.config import stages_for
     if stages_for(args.schedule, args.stages) > L + 2:
         from .runtime.plan import ConfigError
@@ -193,6 +212,7 @@ def _config(args) -> dict:
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
     cfg = dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy, vocab_size=VOCAB_SIZE,
                cores=_cores())
+    _check_prediction(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
     return cfg
@@ -256,13 +276,67 @@ def _oversubscribed(cfg: dict) -> bool:
 def _optimizer(cfg):
     import torch
     name, lr = cfg["optimizer"], cfg["lr"]
+    m = cfg.get("momentum")
+    b1 = 0.9 if m is None else m
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01)
     if name == "adam":
-        return lambda ps: torch.optim.Adam(ps, lr=lr)
+        return lambda ps: torch.optim.Adam(ps, lr=lr, betas=(b1, 0.999))
+    if name == "nadam":
+        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01,
+                                            decoupled_weight_decay=True)
+    if name == "muon":
+        from .optim import muon_and_adamw
+        return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
+                              adamw_weight_decay=0.01)
     if name == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=b1)
     return lambda ps: torch.optim.RMSprop(ps, lr=lr)
+
+
+def _policy_options(cfg: dict) -> dict:
+    delta, dc = cfg.get("predict_from", "optimizer"), cfg.get("dc", 0.0)
+    if cfg["policy"] == "pipeoptim" and delta != "optimizer":
+        return {"delta": delta}
+    return {"dc": dc} if cfg["policy"] == "stash" and dc else {}
+
+
+def _check_prediction(cfg: dict) -> None:
+    from .runtime.plan import ConfigError
+    delta = cfg.get("predict_from", "optimizer")
+    if delta != "optimizer" and cfg["policy"] != "pipeoptim":
+        raise ConfigError(f"--predict-from {delta} chooses PipeOptim's Δ, but the policy is {cfg['policy']}; use "
+                          "--policy pipeoptim or drop --predict-from")
+    m = cfg.get("momentum")
+    if m is not None and not 0.0 <= m < 1.0:
+        raise ConfigError(f"--momentum must be in [0, 1) (β1 or momentum), got {m}")
+    dc = cfg.get("dc", 0.0)
+    if dc and cfg["policy"] != "stash":
+        raise ConfigError(f"--dc {dc} corrects stashed gradients; use it with --policy stash (and --schedule "
+                          "async-1f1b or async-zb)")
+    if not 0.0 <= dc < math.inf:
+        raise ConfigError(f"--dc must be a finite number >= 0, got {dc}")
+    if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" and delta == "optimizer":
+        raise ConfigError("--optimizer muon has no prediction rule of its own (Muon + AdamW); predict from the last "
+                          "applied update: --predict-from last_update")
+
+
+def _check_delay(cfg: dict, sched) -> None:
+    from .delay import DelayRules
+    from .runtime.plan import ConfigError
+    try:
+        rules = DelayRules.of(_delay_hparams(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if rules.active and sched.synchronous:
+        raise ConfigError(f"--delay-lr/--delay-momentum/--delay-warmup adapt each stage to its delay, but "
+                          f"--schedule {sched.name} is synchronous (every delay is 0); use --schedule async-1f1b, "
+                          "async-zb or 2bw, or drop the --delay-* flags")
+
+
+def _delay_hparams(cfg: dict) -> dict:
+    return {"lr": cfg.get("delay_lr", "none"), "momentum": cfg.get("delay_momentum", "none"),
+            "warmup": cfg.get("delay_warmup", 0)}
 
 
 def train_worker(cfg: dict) -> dict:
@@ -290,7 +364,8 @@ def train_worker(cfg: dict) -> dict:
                     devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
-                    watchdog_s=cfg["watchdog_s"], **model_kw)
+                    watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
+                    policy_options=_policy_options(cfg), **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -407,6 +482,7 @@ def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
     out = {k: cfg[k] for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
     out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
+    out["delay"] = _delay_hparams(cfg)
     return out
 
 
@@ -429,6 +505,12 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
     if saved:
         mine = resume_config(cfg)
         _refuse_changed(directory, saved, mine)
+        before = saved.get("delay", _delay_hparams({}))
+        if before != mine["delay"]:
+            flags = lambda d: f"--delay-lr {d['lr']} --delay-momentum {d['momentum']} --delay-warmup {d['warmup']}"  # noqa: E731
+            raise ConfigError(f"{directory} was written with {flags(before)} and this run asks for "
+                              f"{flags(mine['delay'])}: the learning-rate schedule's state would not carry over. "
+                              f"Resume with {flags(before)}, or start a new run in another --run-dir")
         if saved["updates_per_window"] != mine["updates_per_window"]:
             raise ConfigError(f"{directory} was written by schedule {saved['schedule']} with {saved['microbatches']} "
                               f"micro-batches ({saved['updates_per_window']} optimizer steps per window); "

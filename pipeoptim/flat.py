@@ -33,7 +33,13 @@ from torch import nn
 
 import pipeoptim_kernels as pk
 
-__all__ = ["FlatBinding", "FlatGroup", "bind", "register_optimizer", "rule_for", "supported_optimizers"]
+__all__ = ["FlatBinding", "FlatGroup", "bind", "register_optimizer", "rule_for", "rule_or_opaque", "OPAQUE_RULE",
+           "supported_optimizers"]
+
+# The binding's rule for an optimizer with no prediction rule (torch.optim.Muon, a ChainedOptimizer): flat buffers
+# and policies that do not read the optimizer's Δ (none, stash, 2bw, spectrain, pipeoptim's last update) work;
+# a prediction from the optimizer's own rule is refused where it is asked for (rule_for's error).
+OPAQUE_RULE = "opaque"
 
 # Optimizer classes we know beyond torch.optim's, added by register_optimizer: class -> (rule, needs_grad).
 _REGISTERED: dict[type, tuple[str, bool]] = {}
@@ -73,6 +79,14 @@ def rule_for(optimizer: torch.optim.Optimizer) -> str:
         f"    pipeoptim.flat.register_optimizer({cls.__name__}, 'myopt')\n"
         "so that ŵ = w − s·lr·Δ (custom rules run on the eager backend)."
     )
+
+
+def rule_or_opaque(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's prediction rule, or OPAQUE_RULE when it has none."""
+    try:
+        return rule_for(optimizer)
+    except ValueError:
+        return OPAQUE_RULE
 
 
 def needs_last_grad(rule: str, group: dict, mode: str = "exact") -> bool:

@@ -30,6 +30,10 @@ name; call ``train_step(batch)`` on every rank.
 - A NaN or inf loss or gradient is found on every rank at the same ``train_step``; no update with a non-finite
   gradient is ever applied. ``on_nonfinite="stop"`` (default) then raises ``NonFiniteError`` on every rank
   (the weights hold the last finite state: save them); ``"skip"`` drops those updates and goes on.
+- ``optimizer`` may return a list of optimizers over the stage's parameters (e.g. ``optim.muon_and_adamw()``:
+  torch.optim.Muon for the matrices, AdamW for the rest); they are stepped as one (``optim.ChainedOptimizer``).
+- ``delay_hparams=dict(lr="pipemare", momentum="nesterov", warmup=64)`` (asynchronous schedules): each stage's
+  lr and momentum as functions of its delay, with a warm-up in updates (``delay``; the formulas are there).
 - ``watchdog_s``: how long a rank may make no progress inside the pipeline before the job ends, naming the
   rank that holds it up (``runtime.watchdog``; default ``max(300 s, 20 x the slowest step)``).
 """
@@ -43,6 +47,8 @@ import torch
 from torch import nn
 
 from .copies import check_copies, copy_starts
+from .delay import DelayAwareHParams, DelayRules, stage_delays
+from .optim import as_optimizer
 from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
@@ -101,7 +107,7 @@ class Pipeline:
                  emulate: bool = False, device: str = "cpu", dp: int = 1, tied: Sequence[Sequence[str]] = (),
                  copies: Sequence[tuple[str, str]] = (), seed: int = 0,
                  init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
-                 watchdog_s: float | None = None):
+                 watchdog_s: float | None = None, delay_hparams: DelayRules | dict | None = None):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage, or a factory stage_index -> module), not both and not neither")
@@ -136,6 +142,7 @@ class Pipeline:
         self.schedule = make_schedule(schedule, devices, microbatches, **sched_opts)
         self.policy_name = check_policy(self.schedule, policy)
         self.plan = Plan(self.schedule)
+        self.delay_rules = self._delay_rules(delay_hparams)
         self.eval_plan = Plan(self.schedule, forward_only=True)
         if checkpoint_stages and self.policy_name != "none":
             raise ConfigError("activation checkpointing recomputes a stage's forward during its backward, which "
@@ -193,6 +200,20 @@ class Pipeline:
         self.step_count = 0
         ModelCut.mark_taken(st.module for w in self.workers for st in w.stages.values())
 
+    def _delay_rules(self, value) -> DelayRules | None:
+        try:
+            rules = DelayRules.of(value)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        if rules is None or not rules.active:
+            return None
+        if self.schedule.synchronous:
+            raise ConfigError(f"delay_hparams adapts each stage's lr and momentum to its delay, but schedule "
+                              f"{self.schedule.name!r} is synchronous (every delay is 0); use an asynchronous "
+                              "schedule ('async-1f1b', 'async-zb', '2bw') or leave delay_hparams out")
+        self._delays = stage_delays(self.schedule)
+        return rules
+
     @staticmethod
     def _balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx) -> list[int]:
         if balance is None:
@@ -220,12 +241,16 @@ class Pipeline:
     def _runtime(self, chunk: Chunk, module: StageModule, optimizer, lr_scheduler, working, policy_options,
                  ckpt) -> StageRuntime:
         names = {local: module.global_name(local) for local, _ in module.named_parameters()}
-        opt = optimizer(module.parameters())
+        opt = as_optimizer(optimizer(module.parameters()))  # a list of optimizers is chained into one
         pol = make_policy(self.policy_name, module, opt, update_every=self.plan.update_every(chunk),
                           working_dtype=working, **policy_options)
         if hasattr(pol, "place"):    # PipeOptim's constant s rules (paper, reference) need the stage's place
             pol.place(chunk.stage, self.schedule.num_stages)
         sched = lr_scheduler(opt) if lr_scheduler is not None else None
+        if self.delay_rules is not None:
+            sched = DelayAwareHParams(opt, self.delay_rules, delay=self._delays[chunk.stage],
+                                      max_delay=max(self._delays.values()), stages=self.schedule.num_stages,
+                                      inner=sched)
         return StageRuntime(chunk, module, opt, pol, sched, names, chunk.stage in ckpt)
 
     # ---- running ----------------------------------------------------------------------------------------

@@ -216,3 +216,60 @@ def test_the_seeded_final_loss_is_the_recorded_one_within_the_readme_tolerance(t
     assert rc == 0
     final = float(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("final loss: "))
     assert abs(final - SEEDED_FINAL_LOSS) <= TOLERANCE, final
+
+def test_delay_flags_train_and_resume_only_with_the_same_flags(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--run-dir", str(tmp_path), "--no-progress"]
+    delay = ["--delay-lr", "pipemare", "--delay-momentum", "nesterov", "--delay-warmup", "8"]
+    assert main(common + delay + ["--steps", "2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final loss: ")
+    assert main(common + ["--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "written with --delay-lr pipemare --delay-momentum nesterov --delay-warmup 8" in err, err
+    assert main(common + delay + ["--steps", "3", "--resume"]) == 0
+
+
+def test_delay_flags_on_a_synchronous_schedule_are_refused(capsys, tmp_path):
+    assert main(["--emulate", "--schedule", "1f1b", "--delay-momentum", "nesterov", "--steps", "1",
+                 "--run-dir", str(tmp_path)]) == 2
+    assert "--schedule 1f1b is synchronous" in capsys.readouterr().err
+    assert main(["--emulate", "--delay-lr", "pipemare", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--delay-warmup K" in capsys.readouterr().err
+
+
+def test_muon_and_nadam_train_with_last_update_prediction(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--no-progress", "--steps", "2"]
+    assert main(common + ["--optimizer", "muon", "--lr", "0.02", "--run-dir", str(tmp_path / "m")]) == 2
+    assert "--predict-from last_update" in capsys.readouterr().err
+    assert main(common + ["--optimizer", "muon", "--lr", "0.02", "--predict-from", "last_update",
+                          "--run-dir", str(tmp_path / "m")]) == 0
+    assert main(common + ["--optimizer", "nadam", "--momentum", "0.99", "--run-dir", str(tmp_path / "n")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("final loss: ")
+    assert main(common + ["--policy", "stash", "--predict-from", "last_update", "--run-dir", str(tmp_path / "s")]) == 2
+    assert "--policy pipeoptim" in capsys.readouterr().err
+
+
+def test_dc_flag_needs_the_stash_policy(tmp_path, capsys, one_thread):
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--no-progress", "--steps", "1", "--dc", "2.0"]
+    assert main(common + ["--run-dir", str(tmp_path / "a")]) == 2
+    assert "use it with --policy stash" in capsys.readouterr().err
+    assert main(common + ["--policy", "stash", "--run-dir", str(tmp_path / "b")]) == 0
+
+
+def test_train_flags_are_read_without_loading_torch():
+    # the --delay-* choices come from pipeoptim.delay, which must not load torch for `pipeoptim train --help`
+    import subprocess
+    import sys
+    code = ("import sys, argparse; from pipeoptim.cli_train import add_arguments; "
+            "add_arguments(argparse.ArgumentParser()).parse_args(['--delay-lr', 'graphcore']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"
+
+
+def test_momentum_out_of_range_is_refused(tmp_path, capsys):
+    assert main(["--emulate", "--momentum", "1.0", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--momentum must be in [0, 1)" in capsys.readouterr().err

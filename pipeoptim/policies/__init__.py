@@ -5,9 +5,11 @@ interface of `WeightPolicy` (see base.py for the executor's side of the contract
 
     none       naive async: forward and backward read the weights real at their time
     stash      PipeDream: a weight version per in-flight micro-batch, backward reads its forward's
+               (dc=λ: DC-ASGD's correction of the stale gradient to the weights it is applied to)
     2bw        PipeDream-2BW: two versions, gradients accumulated over update_every=m micro-batches
     spectrain  SpecTrain: ŵ = w − s·lr·v (smoothed gradient) for forward and backward
-    pipeoptim  PipeOptim: ŵ = w − s·lr·Δ, Δ from the optimizer's state (mode="exact", "paper" or "reference")
+    pipeoptim  PipeOptim: ŵ = w − s·lr·Δ, Δ from the optimizer's state (mode="exact", "paper" or "reference"),
+               or delta="last_update": the last applied update, for any optimizer
 
 Common options: update_every (micro-batches per step), working_dtype (bf16/fp16 working weights over
 fp32 masters), binding (an existing FlatBinding). Predicting policies also take mechanism ("swap",

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Hashable, Iterator
 import torch
 from torch import nn
 
-from ..flat import FlatBinding, bind
+from ..flat import FlatBinding, bind, rule_or_opaque
 from ..predictor import SavedWeights
 
 
@@ -68,6 +68,8 @@ class WeightPolicy:
     """
 
     name: ClassVar[str] = "base"
+    # whether the policy reads the optimizer's own update rule (then an optimizer without one is refused at bind)
+    needs_optimizer_rule: bool = False
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, update_every: int = 1,
                  working_dtype: torch.dtype | None = None, binding: FlatBinding | None = None):
@@ -77,7 +79,8 @@ class WeightPolicy:
         if binding is None:
             binding = getattr(optimizer, "_pipeoptim_binding", None)
         if binding is None:
-            binding = bind(module, optimizer, working_dtype=working_dtype)
+            rule = None if self.needs_optimizer_rule else rule_or_opaque(optimizer)
+            binding = bind(module, optimizer, working_dtype=working_dtype, rule=rule)
         elif binding.module is not module or binding.optimizer is not optimizer:
             raise ValueError("binding= belongs to another module or optimizer; pass the binding made for this one")
         elif working_dtype is not None and binding.working_dtype != working_dtype:
@@ -141,7 +144,9 @@ class WeightPolicy:
             self._input_done.add(mb)
             return
         self._input_done.discard(mb)
-        self._release(mb, self._in_flight.pop(mb))
+        tag = self._in_flight.pop(mb)
+        self._gradient_done(mb, tag)
+        self._release(mb, tag)
         self._act_now -= self._act.pop(mb, 0)
         self._backwards += 1
         self.binding.grads_changed()
@@ -292,6 +297,9 @@ class WeightPolicy:
     def _resolve(self, group: int, tag: Any) -> torch.Tensor:
         """The flat buffer a weight saved in a forward reads at backward time (default: the real weights)."""
         return self.binding.groups[group].work
+
+    def _gradient_done(self, mb: Hashable, tag: Any) -> None:
+        """mb's gradient is complete in the gradient buffers (not called for a discarded micro-batch)."""
 
     def _release(self, mb: Hashable, tag: Any) -> None:
         """mb's backward is done (or it was discarded)."""

@@ -15,6 +15,9 @@ the last gradient for rules that read it (SGD without momentum or with Nesterov,
 Adagrad, NAdam; SGD in mode "reference"); that copy is part of `state_dict()`, so a resumed run predicts as
 the uninterrupted one.
 
+`delta="last_update"`: Δ is the last update the optimizer applied instead of its own rule's (`last_update`: any
+optimizer, torch.optim.Muon and a ChainedOptimizer included; one more copy of the weights, saved by `state_dict()`).
+
 `step(next_s=s)` fuses the step with the next forward's prediction (one pass, sgd/adam/adamw in exact
 mode); the following `forward(mb, s)` then finds ŵ ready. A changed lr or s in between just predicts again.
 """
@@ -26,11 +29,14 @@ from typing import Hashable, Iterator
 import torch
 from torch import nn
 
+from ..flat import OPAQUE_RULE, rule_for
+from ..last_update import LastUpdate
 from ..predictor import Predictor
 from .base import WeightPolicy
 
 
 S_RULES = ("schedule", "paper", "reference")
+DELTAS = ("optimizer", "last_update")
 
 
 class PipeOptimPolicy(WeightPolicy):
@@ -38,12 +44,24 @@ class PipeOptimPolicy(WeightPolicy):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str = "exact",
                  s_rule: str | None = None, stage: int | None = None, stages: int | None = None,
-                 mechanism: str | None = None, backend: str = "auto", fused: bool = True, **options):
+                 mechanism: str | None = None, backend: str = "auto", fused: bool = True, delta: str = "optimizer",
+                 **options):
         s_rule = s_rule or ("reference" if mode == "reference" else "schedule")
         if s_rule not in S_RULES:
             raise ValueError(f"s_rule must be one of {', '.join(S_RULES)}, got {s_rule!r}")
+        if delta not in DELTAS:
+            raise ValueError(f"delta must be one of {', '.join(DELTAS)}, got {delta!r}")
+        if delta == "last_update" and mode != "exact":
+            raise ValueError(f"delta='last_update' predicts from the last applied update whatever the optimizer; "
+                             f"mode={mode!r} selects a rule of the optimizer's own Δ. Use one or the other")
+        self.needs_optimizer_rule = delta == "optimizer"
         super().__init__(module, optimizer, **options)
-        self.predictor = Predictor(self.binding, self.saved, mechanism=mechanism, mode=mode, backend=backend)
+        if self.needs_optimizer_rule and self.binding.rule == OPAQUE_RULE:
+            rule_for(optimizer)  # raises: no rule for this optimizer, and how to add one
+        self.delta = delta
+        self.last_update = LastUpdate(self.binding) if delta == "last_update" else None
+        self.predictor = Predictor(self.binding, self.saved, mechanism=mechanism, mode=mode, backend=backend,
+                                   direction=None if self.last_update is None else self.last_update.direction)
         self.fused = fused
         self.s_rule = s_rule
         self.stage: int | None = None
@@ -88,8 +106,16 @@ class PipeOptimPolicy(WeightPolicy):
             self.optimizer.step()
 
     def memory_report(self) -> dict[str, int]:
-        return {"prediction" if self.predictor.mechanism != "inplace" else "restore": self.predictor.nbytes(),
-                "last_grad": self.binding.extra_bytes()}
+        report = {"prediction" if self.predictor.mechanism != "inplace" else "restore": self.predictor.nbytes(),
+                  "last_grad": self.binding.extra_bytes()}
+        if self.last_update is not None:
+            report["last_update"] = self.last_update.nbytes()
+        return report
+
+    def _state_entries(self, group: int) -> dict[str, torch.Tensor]:
+        return {} if self.last_update is None else {"last_update": self.last_update.buffers[group]}
 
     def close(self) -> None:
+        if self.last_update is not None:
+            self.last_update.close()
         self.predictor.close()

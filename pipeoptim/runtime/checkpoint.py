@@ -102,7 +102,9 @@ def pipeline_state(pipe) -> dict:
 
 
 def _optimizer_names(pipe) -> list[str]:
-    return sorted({type(st.optimizer).__name__ for w in pipe.workers for st in w.stages.values()})
+    """The optimizers' names; a ChainedOptimizer by its children's (Muon + AdamW is not SGD + AdamW)."""
+    return sorted({repr(st.optimizer) if hasattr(st.optimizer, "children") else type(st.optimizer).__name__
+                   for w in pipe.workers for st in w.stages.values()})
 
 
 def _rank() -> int:
