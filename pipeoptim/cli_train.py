@@ -452,19 +452,28 @@ _OVERSUBSCRIBED = ("{stages} ranks share {cores} CPU core(s): the progress bar's
 
 def _apply_lr(pipe, lr: float, lr_lambda) -> list[str]:
     """After a resume: make ``lr`` the peak of the learning-rate schedule, which the checkpoint restored with
-    the old run's peak; the schedule continues at its step. Returns what changed, in words."""
+    the old run's peak; the schedule continues at its step. Param groups with another peak (Muon's AdamW
+    groups) keep theirs. Returns what changed, in words."""
     old = None
     for w in pipe.workers:
         for st in w.stages.values():
-            sched = st.scheduler
+            outer = st.scheduler
+            sched = getattr(outer, "inner", outer)  # delay-aware hyper-parameters wrap the LR schedule
             old = sched.base_lrs[0] if old is None else old
-            if sched.base_lrs[0] == lr:
+            if old == lr:
                 continue
-            sched.base_lrs = [lr] * len(st.optimizer.param_groups)
-            for group in st.optimizer.param_groups:
-                group["initial_lr"] = lr
-                group["lr"] = lr * lr_lambda(sched.last_epoch)
-            sched._last_lr = [g["lr"] for g in st.optimizer.param_groups]
+            undelayed = []
+            for i, group in enumerate(st.optimizer.param_groups):
+                if sched.base_lrs[i] == old:
+                    sched.base_lrs[i] = group["initial_lr"] = lr
+                undelayed.append(sched.base_lrs[i] * lr_lambda(sched.last_epoch))
+            sched._last_lr = undelayed
+            if outer is sched:
+                for group, value in zip(st.optimizer.param_groups, undelayed):
+                    group["lr"] = value
+            else:  # the wrapper holds the undelayed lr and applies this stage's factor to it
+                outer._lr = undelayed
+                outer._apply()
     if old is None or old == lr:
         return []
     return [f"--lr {lr:g} applies from step {pipe.step_count} on: the checkpoint was written with --lr {old:g} "

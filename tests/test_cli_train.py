@@ -229,6 +229,17 @@ def test_delay_flags_train_and_resume_only_with_the_same_flags(tmp_path, capsys,
     assert main(common + delay + ["--steps", "3", "--resume"]) == 0
 
 
+def test_a_new_lr_on_resume_goes_through_the_delay_rules(tmp_path, capsys, one_thread):
+    # merge regression: --resume --lr read the LR schedule's base_lrs off the delay-aware wrapper (AttributeError)
+    common = ["--model", "tiny", "--emulate", "--stages", "2", "--microbatches", "2", "--microbatch-size", "2",
+              "--run-dir", str(tmp_path), "--no-progress", "--delay-lr", "graphcore", "--delay-warmup", "2"]
+    assert main(common + ["--steps", "2", "--lr", "0.002"]) == 0
+    capsys.readouterr()
+    assert main(common + ["--steps", "3", "--lr", "0.004", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "--lr 0.004 applies from step 2 on: the checkpoint was written with --lr 0.002" in err, err
+
+
 def test_delay_flags_on_a_synchronous_schedule_are_refused(capsys, tmp_path):
     assert main(["--emulate", "--schedule", "1f1b", "--delay-momentum", "nesterov", "--steps", "1",
                  "--run-dir", str(tmp_path)]) == 2
