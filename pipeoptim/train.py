@@ -94,13 +94,15 @@ def _to(x, device):
     return tuple(t.to(device) for t in x)
 
 
-BUILDING = "start-up: building this rank's stages (Pipeline)"
-BUILT = "start-up: waiting for every rank to build its stages (Pipeline)"
+BUILDING = "building its stages (Pipeline start-up)"
+BUILT = "the collectives that build a Pipeline (copies, process groups)"
 
 
 def _idle_when_built(init):
-    """Building a distributed ``Pipeline`` is watched like a step (a rank that freezes or never gets there is
-    named within the watchdog's bound); however ``__init__`` ends, its rank is then outside the pipeline."""
+    """Building a distributed ``Pipeline`` is watched: its collectives like a step's (a rank that freezes or
+    never gets there is named within the watchdog's bound), its own work only shown in the rank's heartbeat
+    (``Watchdog.working``: slow imports or initialisation never trip it); however ``__init__`` ends, the rank
+    is then outside the pipeline."""
     @functools.wraps(init)
     def build(self, *args, **kwargs):
         try:
@@ -172,7 +174,7 @@ class Pipeline:
             if self._watch is not None:
                 if watchdog_s is not None:
                     self._watch.timeout_s = watchdog_s
-                self._watch.doing(BUILDING)
+                self._watch.working(BUILDING)
             if devices is None:
                 devices = ctx.world_size // dp
         if devices is None:
@@ -219,9 +221,11 @@ class Pipeline:
                     modules[c] = built[c.stage] = cut.build(c.stage, tdev, seed, init_fn)
         cut.forget()
         del built
-        if self._watch is not None:  # from here on the ranks build together (copies, process groups)
+        if self._watch is not None:
             self._watch.doing(BUILT, COLLECTIVE)
         copy_starts(starts, stage_of, modules, self.schedule, local, ctx, devices)
+        if self._watch is not None:
+            self._watch.working(BUILDING)
         ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
         working = torch.bfloat16 if precision == "bf16" else None
         self.workers: list[DeviceWorker] = []
@@ -234,6 +238,8 @@ class Pipeline:
         if emulate:
             self._runner = Emulator(self.plan, self.workers)
         else:
+            if self._watch is not None:  # creating its process groups waits for every rank
+                self._watch.doing(BUILT, COLLECTIVE)
             self._runner = Executor(self.plan, self.workers[0], dp_rank=ctx.rank // devices, dp_size=dp,
                                     device=tdev, watch=ctx.watch)
         self.device = tdev
@@ -259,10 +265,10 @@ class Pipeline:
                 import torch.distributed as dist
                 box = [result]
                 if ctx.watch is not None and ctx.rank != 0:
-                    ctx.watch.doing("start-up: waiting for rank 0's time-based balance", 0)
+                    ctx.watch.doing("waiting for rank 0's time-based balance (Pipeline start-up)", 0)
                 dist.broadcast_object_list(box, src=0)
                 if ctx.watch is not None:
-                    ctx.watch.doing(BUILDING)
+                    ctx.watch.working(BUILDING)
                 result = box[0]
             return result
         if len(layers) < n_stages:

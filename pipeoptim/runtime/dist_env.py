@@ -46,7 +46,7 @@ class DistContext:
 
 _CONTEXT: DistContext | None = None
 _WATCH: Watchdog | None = None
-RENDEZVOUS = "start-up: joining the process group (rendezvous)"
+RENDEZVOUS = "the rendezvous (joining the process group)"
 
 
 def watchdog_timeout_from_env() -> float | None:

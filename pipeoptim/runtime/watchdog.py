@@ -15,9 +15,9 @@ the rendezvous store does, every ``poll_s``:
 
 The stall timeout is ``timeout_s`` when given (``Pipeline(watchdog_s=...)``, ``PIPEOPTIM_WATCHDOG_S``), else
 ``max(300 s, 20 × the slowest iteration measured so far)``: a few minutes, more for runs with long steps.
-Start-up is watched the same way: the rendezvous (``dist_env``), building a ``Pipeline`` and ``load`` are
-each one thing inside the pipeline, so a rank that never arrives or freezes there is named within the same
-bound. Time a rank spends outside the pipeline (between ``train_step`` calls) never trips its own watchdog; a rank
+Start-up is watched the same way: the rendezvous (``dist_env``), the collectives that build a ``Pipeline``
+and ``load`` are each one thing inside the pipeline, so a rank that never arrives or freezes before them is
+named within the same bound; a rank's own work while it builds is only shown in its heartbeat (``working``). Time a rank spends outside the pipeline (between ``train_step`` calls) never trips its own watchdog; a rank
 waiting for such a peer does trip, because that is also how a rank whose program took another path (one
 ``train_step`` fewer) looks from outside.
 """
@@ -101,6 +101,11 @@ class Watchdog:
             yield
         finally:
             self.idle()
+
+    def working(self, what) -> None:
+        """The main thread does ``what`` on its own, outside the pipeline (building its stages): its heartbeat
+        says so, but it is never a stall of this rank's own; a peer that waits for it too long names it."""
+        self._doing = Doing(what, None, time.monotonic(), busy=False)
 
     def idle(self) -> None:
         """The main thread left the pipeline: its own time no longer counts towards a stall."""
@@ -225,7 +230,7 @@ def _activity(beat: dict) -> str:
     if beat.get("ended"):
         return "its program had ended"
     if not beat["busy"]:
-        return "outside the pipeline"
+        return beat["what"]  # "outside the pipeline", or what it does there (``working``)
     peer, took = beat["peer"], f"for {beat['for']:.0f} s"
     if peer is None:
         return f"running {beat['what']} {took}"
@@ -286,8 +291,11 @@ def diagnose(me: int, before: dict[int, dict], after: dict[int, dict], world_siz
     elif states[end] == "computing":
         head = (f"{who(end)} has been {_activity(after[end])} without waiting for any other rank: that code "
                 "hangs, or it is slower than the watchdog allows")
+    elif states[end] == "idle" and after[end]["what"] != _IDLE.what:
+        head = (f"{who(end)} is still {after[end]['what']} while rank {chain[-2] if len(chain) > 1 else me} waits "
+                "for it: it is slower than the watchdog allows, or hangs there")
     elif states[end] == "idle":
-        head = (f"{who(end)} is outside the pipeline (not in train_step, eval_step, save, load or building its Pipeline) while rank "
+        head = (f"{who(end)} is outside the pipeline (not in train_step, eval_step, save or load) while rank "
                 f"{chain[-2] if len(chain) > 1 else me} waits for it: every rank must make the same pipeline "
                 "calls in the same order; if that rank is busy with other work, raise the watchdog timeout")
     else:  # waiting in a collective: whoever is not in one holds it up
