@@ -77,21 +77,24 @@ def current_watch() -> Watchdog | None:
     return _WATCH
 
 
-def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: float | None) -> Watchdog:
+def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: float | None,
+                    agent: bool) -> Watchdog:
     """The watchdog's own connection to the store, and the watchdog: started before the rendezvous, so that
     a rank that never arrives is named. The store is the launcher's or torchrun's agent's (already up), or
-    rank 0's: a rank waits for that one as long as the watchdog would wait for a step. The watchdog starts
+    rank 0's: a rank waits for that one as long as the watchdog would wait for a step (at least 60 s, the
+    timeout of the watchdog's store operations). The watchdog starts
     busy with the rendezvous (``RENDEZVOUS``), as with a collective: a rank that never arrives is named within
     the same bound as a step."""
     global _WATCH
-    bound = watchdog_s if watchdog_s is not None else DEFAULT_TIMEOUT_S
+    bound = max(60.0, watchdog_s if watchdog_s is not None else DEFAULT_TIMEOUT_S)
     try:
-        watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=max(60.0, bound)),
+        watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=bound),
                                     wait_for_workers=False)
     except RuntimeError as e:  # torch's DistStoreError included
-        raise PipelineError(f"rank {rank}: the rendezvous store at {host}:{port} did not answer within "
-                            f"{max(60.0, bound):.0f} s ({type(e).__name__}: {str(e).splitlines()[0]}). Without "
-                            "torchrun or pipeoptim.runtime.launch, rank 0 hosts it: rank 0 never arrived, or "
+        host_of = ("the launcher (pipeoptim.runtime.launch or torchrun) hosts it: it has ended" if agent else
+                   "rank 0 hosts it (no torchrun, no launcher): rank 0 never arrived")
+        raise PipelineError(f"rank {rank}: the rendezvous store at {host}:{port} did not answer within {bound:.0f} s "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {host_of}, or "
                             "MASTER_ADDR/MASTER_PORT do not name it") from None
     _WATCH = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
                       quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1", before_exit=_abort_communicators)
@@ -130,7 +133,7 @@ def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> DistCo
         if timeout_s is None:
             timeout_s = max(PG_TIMEOUT_S, 2 * (watchdog_s or 0))
         hosted = rendezvous.serve(host, port, world, timeout_s) if rank == 0 and not agent else None
-        watch = _start_watchdog(host, port, rank, world, watchdog_s)
+        watch = _start_watchdog(host, port, rank, world, watchdog_s, agent)
         try:
             store = hosted if hosted is not None else dist.TCPStore(
                 host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)

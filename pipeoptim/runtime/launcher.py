@@ -241,7 +241,8 @@ class _Job:
 
 def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: float = 3.0, threads: int = 1,
            port: int | None = None, watchdog_s: float | None = None) -> list:
-    """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result, or raises
+    """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result (tensors, numbers, strings,
+    bytes, None and containers of them: read back with ``torch.load(weights_only=True)``), or raises
     ``PipelineError`` naming the rank that failed (and how), ``JobInterrupted`` on SIGINT/SIGTERM, or
     ``ConfigError`` when ``port`` is taken. ``watchdog_s``: the ranks' stall timeout (``watchdog``)."""
     if nprocs < 1:
