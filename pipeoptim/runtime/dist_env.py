@@ -82,9 +82,8 @@ def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: flo
     """The watchdog's own connection to the store, and the watchdog: started before the rendezvous, so that
     a rank that never arrives is named. The store is the launcher's or torchrun's agent's (already up), or
     rank 0's: a rank waits for that one as long as the watchdog would wait for a step (at least 60 s, the
-    timeout of the watchdog's store operations). The watchdog starts
-    busy with the rendezvous (``RENDEZVOUS``), as with a collective: a rank that never arrives is named within
-    the same bound as a step."""
+    timeout of the watchdog's store operations). The watchdog starts busy with the rendezvous (``RENDEZVOUS``),
+    as with a collective: a rank that never arrives is named within the same bound as a step."""
     global _WATCH
     bound = max(60.0, watchdog_s if watchdog_s is not None else DEFAULT_TIMEOUT_S)
     try:
