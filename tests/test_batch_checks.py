@@ -49,7 +49,8 @@ def _x(rows: int, seed: int = 0) -> torch.Tensor:
 
 BAD_BATCHES = {
     "empty": ((_x(0), _x(0)), r"the batch is empty \(the inputs have 0 rows\): refused before anything ran"),
-    "fewer targets": ((_x(8), _x(6)), r"the targets have 6 rows but the inputs have 8: .*targets of shape \(8, \.\.\.\)"),
+    "fewer targets": ((_x(8), _x(6)),
+                      r"the targets have 6 rows but the inputs have 8: .*targets of shape \(8, \.\.\.\)"),
     "more targets": ((_x(4), _x(8)), r"the targets have 8 rows but the inputs have 4"),
     "empty targets": ((_x(8), _x(0)), r"the targets have 0 rows but the inputs have 8"),
     "inputs differ": (((_x(8), _x(4)), _x(8)), r"input 1 of the batch has 4 rows but input 0 has 8"),

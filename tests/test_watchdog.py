@@ -85,7 +85,7 @@ def test_a_peer_still_building_is_named_with_what_it_does():
     after = {0: beat(4, "the collectives that build a Pipeline", COLLECTIVE),
              1: beat(4, "building its stages (Pipeline start-up)", busy=False)}
     head = diagnose(0, before, after, 2, 30.0, 30.0).splitlines()[0]
-    assert "rank 1 (pid 104 on h) is building its stages (Pipeline start-up) while the others wait" in head
+    assert "rank 1 (pid 104 on h) is building its stages (Pipeline start-up) while the others" in head
 
 
 def test_working_is_shown_but_never_a_stall_of_its_own(store):

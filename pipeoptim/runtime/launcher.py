@@ -86,8 +86,8 @@ def _save_result(result, path: str, rank: int) -> None:
         torch.load(path, weights_only=True, mmap=True)  # mapped: a large result is not read twice
     except pickle.UnpicklingError as e:
         raise TypeError(f"launch(fn) returned on rank {rank} a {type(result).__name__} holding something the "
-                        f"launcher cannot load safely ({_refused(e)}); return tensors, numbers, strings, bytes, None and "
-                        "lists, tuples, sets and dicts of them (e.g. a dict of floats, or a module's "
+                        f"launcher cannot load safely ({_refused(e)}); return tensors, numbers, strings, bytes, "
+                        "None and lists, tuples, sets and dicts of them (e.g. a dict of floats, or a module's "
                         "state_dict())") from None
 
 

@@ -17,7 +17,8 @@ The stall timeout is ``timeout_s`` when given (``Pipeline(watchdog_s=...)``, ``P
 ``max(300 s, 20 × the slowest iteration measured so far)``: a few minutes, more for runs with long steps.
 Start-up is watched the same way: the rendezvous (``dist_env``), the collectives that build a ``Pipeline``
 and ``load`` are each one thing inside the pipeline, so a rank that never arrives or freezes before them is
-named within the same bound; a rank's own work while it builds is only shown in its heartbeat (``working``). Time a rank spends outside the pipeline (between ``train_step`` calls) never trips its own watchdog; a rank
+named within the same bound; a rank's own work while it builds is only shown in its heartbeat (``working``).
+Time a rank spends outside the pipeline (between ``train_step`` calls) never trips its own watchdog; a rank
 waiting for such a peer does trip, because that is also how a rank whose program took another path (one
 ``train_step`` fewer) looks from outside.
 """
