@@ -35,10 +35,13 @@ name; call ``train_step(batch)`` on every rank.
 - ``delay_hparams=dict(lr="pipemare", momentum="nesterov", warmup=64)`` (asynchronous schedules): each stage's
   lr and momentum as functions of its delay, with a warm-up in updates (``delay``; the formulas are there).
 - ``watchdog_s``: how long a rank may make no progress inside the pipeline before the job ends, naming the
-  rank that holds it up (``runtime.watchdog``; default ``max(300 s, 20 x the slowest step)``).
+  rank that holds it up (``runtime.watchdog``; default ``max(300 s, 20 x the slowest step)``). Building the
+  pipeline and ``load`` are watched too, as is the rendezvous before them (``PIPEOPTIM_WATCHDOG_S``).
+- A batch is refused before anything runs when it is empty or its inputs and targets differ in row count.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Callable, Sequence
@@ -57,6 +60,7 @@ from .runtime.emulator import Emulator
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
 from .runtime.tied import check_ties, plan_ties
+from .runtime.watchdog import COLLECTIVE
 from .runtime.worker import DeviceWorker, StageRuntime
 from .schedules.actions import Chunk
 
@@ -96,7 +100,49 @@ def _to(x, device):
     return tuple(t.to(device) for t in x)
 
 
+BUILDING = "building its stages (Pipeline start-up)"
+BUILT = "the collectives that build a Pipeline (copies, process groups)"
+
+
+def _idle_when_built(init):
+    """Building a distributed ``Pipeline`` is watched: its collectives like a step's (a rank that freezes or
+    never gets there is named within the watchdog's bound), its own work only shown in the rank's heartbeat
+    (``Watchdog.working``: slow imports or initialisation never trip it); however ``__init__`` ends, the rank
+    is then outside the pipeline."""
+    @functools.wraps(init)
+    def build(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if getattr(self, "_watch", None) is not None:
+                self._watch.idle()
+    return build
+
+
+def _batch_rows(inputs: tuple, targets) -> int:
+    """The batch's row count, once every input and the targets agree on it and it is not 0: checked before
+    anything runs, since an empty batch would still run the schedule, decay the weights and move the
+    optimizer's moments, and targets of another length would fail at some later action."""
+    if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
+        raise ValueError("a batch is (inputs, targets); inputs a tensor or a tuple of tensors, each with the batch "
+                         "dimension first")
+    rows = inputs[0].shape[0]
+    for i, x in enumerate(inputs[1:], 1):
+        if x.shape[0] != rows:
+            raise ValueError(f"input {i} of the batch has {x.shape[0]} rows but input 0 has {rows}: every input "
+                             "needs one row per sample")
+    if isinstance(targets, torch.Tensor) and (targets.dim() == 0 or targets.shape[0] != rows):
+        have = "no rows (a 0-dimensional tensor)" if targets.dim() == 0 else f"{targets.shape[0]} rows"
+        raise ValueError(f"the targets have {have} but the inputs have {rows}: give one target row per input "
+                         f"row (targets of shape ({rows}, ...))")
+    if rows == 0:
+        raise ValueError("the batch is empty (the inputs have 0 rows): refused before anything ran (a step on it "
+                         "would still decay the weights and the optimizer's moments); skip empty batches")
+    return rows
+
+
 class Pipeline:
+    @_idle_when_built
     def __init__(self, layers: Sequence[nn.Module] | nn.Sequential | None = None, *, loss_fn: Callable,
                  optimizer: Callable[[object], torch.optim.Optimizer], devices: int | None = None,
                  stages: Sequence[nn.Module] | Callable[[int], nn.Module] | None = None,
@@ -131,8 +177,10 @@ class Pipeline:
             ctx = init_from_env(device)
             tdev = ctx.device
             self._watch = ctx.watch
-            if self._watch is not None and watchdog_s is not None:
-                self._watch.timeout_s = watchdog_s
+            if self._watch is not None:
+                if watchdog_s is not None:
+                    self._watch.timeout_s = watchdog_s
+                self._watch.working(BUILDING)
             if devices is None:
                 devices = ctx.world_size // dp
         if devices is None:
@@ -180,7 +228,11 @@ class Pipeline:
                     modules[c] = built[c.stage] = cut.build(c.stage, tdev, seed, init_fn)
         cut.forget()
         del built
+        if self._watch is not None:
+            self._watch.doing(BUILT, COLLECTIVE)
         copy_starts(starts, stage_of, modules, self.schedule, local, ctx, devices)
+        if self._watch is not None:
+            self._watch.working(BUILDING)
         ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
         working = torch.bfloat16 if precision == "bf16" else None
         self.workers: list[DeviceWorker] = []
@@ -193,6 +245,8 @@ class Pipeline:
         if emulate:
             self._runner = Emulator(self.plan, self.workers)
         else:
+            if self._watch is not None:  # creating its process groups waits for every rank
+                self._watch.doing(BUILT, COLLECTIVE)
             self._runner = Executor(self.plan, self.workers[0], dp_rank=ctx.rank // devices, dp_size=dp,
                                     device=tdev, watch=ctx.watch)
         self.device = tdev
@@ -231,7 +285,11 @@ class Pipeline:
             if ctx is not None:
                 import torch.distributed as dist
                 box = [result]
+                if ctx.watch is not None and ctx.rank != 0:
+                    ctx.watch.doing("waiting for rank 0's time-based balance (Pipeline start-up)", 0)
                 dist.broadcast_object_list(box, src=0)
+                if ctx.watch is not None:
+                    ctx.watch.working(BUILDING)
                 result = box[0]
             return result
         if len(layers) < n_stages:
@@ -260,7 +318,7 @@ class Pipeline:
         inputs, targets = batch
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         N = self.schedule.num_microbatches
-        B = inputs[0].shape[0]
+        B = _batch_rows(inputs, targets)
         if B % N:
             raise ValueError(f"batch size {B} is not divisible by {N} micro-batches; use a batch size that is a "
                              f"multiple of {N}")
@@ -330,4 +388,7 @@ class Pipeline:
         with any stage balance; returns the ``extra`` it was saved with; ``self.loaded_from`` says which.
         ``weights_only``: parameters only (e.g. to continue with another optimizer)."""
         from .runtime.checkpoint import load
-        return load(self, directory, weights_only)
+        if self._watch is None:
+            return load(self, directory, weights_only)
+        with self._watch.during(f"loading checkpoint {directory}"):  # a rank frozen here is named in time
+            return load(self, directory, weights_only)

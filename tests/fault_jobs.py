@@ -3,6 +3,7 @@
 Run as a script to start one in its own session (see fault_harness):
 
     python tests/fault_jobs.py launch NPROCS MARKERS [--watchdog S] [--hang-rank R]    # runtime.launch
+    python tests/fault_jobs.py startup MARKERS WHERE --watchdog S     # rank 1 of 2 stops itself at WHERE
     python -m torch.distributed.run --nproc-per-node N tests/fault_jobs.py torchrun MARKERS [--watchdog S]
 
 Each rank writes ``MARKERS/running.<rank>`` after its first training step, so a test injects its fault into
@@ -67,6 +68,45 @@ def train_job(markers: str, steps: int = 100000, hang_rank: int | None = None,
         if step == 0:
             open(os.path.join(markers, f"running.{ctx.rank}"), "w").close()
         time.sleep(0.01)
+    return "finished"
+
+
+# ---- a rank frozen during start-up ---------------------------------------------------------------------------
+STARTUP_PHASES = ("rendezvous", "build", "load")
+
+
+def startup_job(markers: str, stop_rank: int, where: str) -> str:
+    """Start a pipeline with a copied weight (its build has a collective), save and load a checkpoint, then
+    train; rank ``stop_rank`` SIGSTOPs itself at ``where``: before it joins the process group, while it builds
+    its stage (materialising a meta layer), or as ``load`` begins. ``MARKERS/arrived.<rank>`` says a rank got
+    to the rendezvous, ``MARKERS/stopping.<rank>`` that it stops now."""
+    me = int(os.environ["RANK"])
+
+    def reach(point: str) -> None:
+        if me == stop_rank and where == point:
+            open(os.path.join(markers, f"stopping.{me}"), "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    reach("rendezvous")
+    open(os.path.join(markers, f"arrived.{me}"), "w").close()
+    from pipeoptim.runtime.dist_env import init_from_env
+    from pipeoptim.train import Pipeline
+    init_from_env()
+    with torch.device("meta"):
+        layers = [nn.Linear(8, 8) for _ in range(2)]
+
+    def init(layer):
+        reach("build")
+        layer.reset_parameters()
+
+    pipe = Pipeline(layers, loss_fn=mse, schedule="1f1b", microbatches=2, init_fn=init,
+                    copies=[("0.weight", "1.weight")], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+    root = os.path.join(markers, "ckpt")
+    pipe.save(root)
+    reach("load")
+    pipe.load(root)
+    for step in range(3):
+        pipe.train_step(batch(step))
     return "finished"
 
 
@@ -142,7 +182,7 @@ def nan_job(poisoned: int, steps: int) -> list[dict]:
 def _main(argv: list[str]) -> int:
     import argparse
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("launch", "torchrun"))
+    p.add_argument("mode", choices=("launch", "torchrun", "startup"))
     p.add_argument("rest", nargs="*")
     p.add_argument("--watchdog", type=float, default=None)
     p.add_argument("--hang-rank", type=int, default=None)
@@ -151,8 +191,11 @@ def _main(argv: list[str]) -> int:
         train_job(args.rest[0], watchdog_s=args.watchdog, hang_rank=args.hang_rank)
         return 0
     from pipeoptim.runtime import PipelineError, launch
-    nprocs, markers = int(args.rest[0]), args.rest[1]
     try:
+        if args.mode == "startup":
+            launch(startup_job, 2, args.rest[0], 1, args.rest[1], watchdog_s=args.watchdog)
+            return 0
+        nprocs, markers = int(args.rest[0]), args.rest[1]
         launch(train_job, nprocs, markers, 100000, args.hang_rank, args.watchdog)
     except PipelineError as e:
         print(f"job failed: {e}", file=sys.stderr)

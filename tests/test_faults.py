@@ -1,6 +1,7 @@
 """Faults injected for real into running jobs (runtime.launch, torchrun): a rank killed by SIGKILL, a rank
-frozen by SIGSTOP, a rank whose stage never returns, a port already taken. Each must end every process of the
-job within a stated bound, with a message naming the rank and what happened, and leave nothing behind.
+frozen by SIGSTOP (while training, or during start-up), a rank whose stage never returns, a port already
+taken. Each must end every process of the job within a stated bound, with a message naming the rank and
+what happened, and leave nothing behind.
 
 BOUND_S is the bound the README states; the times measured here are typically far below it (see
 benchmarks/fault_bounds.py). Job start-up (imports, rendezvous) is not counted: the clock starts at the fault.
@@ -17,6 +18,7 @@ import time
 import pytest
 
 import fault_harness as fh
+import fault_jobs as fj
 from pipeoptim.runtime import launch
 from pipeoptim.runtime.plan import ConfigError
 
@@ -115,3 +117,44 @@ def test_port_in_use_is_a_clear_error_before_any_process_starts():
         with pytest.raises(ConfigError, match=f"port {port} on this machine is already in use"):
             launch(_never_runs, 2, port=port)
         assert time.monotonic() - t0 < 5
+
+
+STARTUP_WATCHDOG_S = 4.0
+
+
+def test_a_rank_frozen_at_start_up_is_named_within_the_bound(tmp_path):
+    """Rank 1 of 2 SIGSTOPs itself before the rendezvous, while building its stage, or as load begins (three
+    jobs at once, to keep the test short): each job ends within the watchdog's bound, naming rank 1, where
+    the other ranks used to wait for the process group's 30-minute timeout. The clock starts once rank 1 has
+    stopped and rank 0 has reached the rendezvous."""
+    jobs = {}
+    for where in fj.STARTUP_PHASES:
+        markers = tmp_path / where
+        markers.mkdir()
+        jobs[where] = (fh.Job([sys.executable, JOB, "startup", str(markers), where, "--watchdog",
+                               str(STARTUP_WATCHDOG_S)], str(markers)), markers)
+    started = {}
+    for where, (job, markers) in jobs.items():
+        for name in ("stopping.1", "arrived.0"):
+            fh.wait_for(str(markers / name), job)
+        started[where] = time.monotonic()
+        assert fh._state(fh.rank_pid(job, 1)) == "T", f"{where}: rank 1 is not stopped"
+    bound = STARTUP_WATCHDOG_S + 30.0
+    for where, (job, markers) in jobs.items():
+        code = job.wait(bound + 30)
+        gone = time.monotonic() - started[where] + job.ended_cleanly()
+        text = job.text()
+        assert code == 1, f"{where}:\n{text}"
+        if where == "rendezvous":  # no heartbeat ever came from it
+            assert "rank 1 never arrived" in text and "rank 1: NEVER ARRIVED" in text, text
+            assert "rank 0 noticed it: it was in the rendezvous (joining the process group)" in text, text
+        else:
+            assert "rank 1 (pid" in text and "stopped responding" in text and "rank 1: NOT RESPONDING" in text, text
+            if where == "build":
+                assert "the last one said: building its stages (Pipeline start-up)" in text, text
+            waited = {"build": "the collectives that build a Pipeline",
+                      "load": f"loading checkpoint {markers / 'ckpt'}"}[where]
+            assert f"rank 0 noticed it: it was in {waited}" in text, text
+        assert "killed by the launcher" in text, text  # the stopped rank could not end on its own
+        assert gone < bound, f"{where}: {gone:.1f} s to a clean end"
+        assert not fh.shm_left(job.shm_before)

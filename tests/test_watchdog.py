@@ -69,6 +69,36 @@ def test_a_peer_whose_program_ended_is_named():
     assert "rank 1 (pid 109 on h) has left the job" in head
 
 
+def test_a_rank_that_never_arrived_is_named():
+    """Rank 1 never wrote a heartbeat (stopped or still starting) while rank 0 waits in the rendezvous."""
+    before = {0: beat(1, "the rendezvous (joining the process group)", COLLECTIVE)}
+    after = {0: beat(4, "the rendezvous (joining the process group)", COLLECTIVE, took=8.0)}
+    text = diagnose(0, before, after, 2, 8.0, 6.0)
+    assert "rank 1 never arrived: it sent no heartbeat" in text.splitlines()[0]
+    assert "rank 1: NEVER ARRIVED" in text
+
+
+def test_a_peer_still_building_is_named_with_what_it_does():
+    """A rank's own start-up work is not busy (never its own stall) but its heartbeat says what it is."""
+    before = {0: beat(1, "the collectives that build a Pipeline", COLLECTIVE),
+              1: beat(1, "building its stages (Pipeline start-up)", busy=False)}
+    after = {0: beat(4, "the collectives that build a Pipeline", COLLECTIVE),
+             1: beat(4, "building its stages (Pipeline start-up)", busy=False)}
+    head = diagnose(0, before, after, 2, 30.0, 30.0).splitlines()[0]
+    assert "rank 1 (pid 104 on h) is building its stages (Pipeline start-up) while the others" in head
+
+
+def test_working_is_shown_but_never_a_stall_of_its_own(store):
+    w = Watchdog(store(), 0, 1, timeout_s=0.01)
+    w.working("building its stages (Pipeline start-up)")
+    w._beat()
+    got = json.loads(w.store.get("pipeoptim/beat/0"))
+    assert got["what"] == "building its stages (Pipeline start-up)" and got["busy"] is False
+    with w.during("loading checkpoint x"):
+        assert w._doing.busy and w._doing.peer == COLLECTIVE
+    assert not w._doing.busy and w._doing.what == "outside the pipeline"
+
+
 @pytest.fixture
 def store():
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))

@@ -8,6 +8,7 @@
     faults             the job's one reason to end (first writer wins); exit codes and signals in words
     watchdog           per rank: ends it when the job ended elsewhere; names the rank holding a stuck job up
     launcher           local N-process launcher: hosts the store, names a rank killed by a signal, SIGINT/TERM
+    rendezvous         the store's server on one address (loopback for a job on one machine)
     config             names -> checked configuration, before any process starts
     checkpoint         state keyed by global parameter names
     checkpoint_files   atomic files, a manifest with hashes as the commit, the newest intact one, keep K

@@ -4,7 +4,12 @@ MASTER_ADDR, MASTER_PORT, LOCAL_RANK), with gloo on CPU and NCCL on GPUs, and st
 The TCPStore is created here (not by ``init_process_group``) so the watchdog can open a second connection
 to the same store. Under torchrun's agent store and under ``runtime.launch`` (both set
 TORCHELASTIC_USE_AGENT_STORE=True) the store lives in the launching process and every rank is a client, so
-the store outlives any rank; otherwise rank 0 hosts it.
+the store outlives any rank; otherwise rank 0 hosts it (``rendezvous.serve``: on loopback only when
+MASTER_ADDR is a loopback address, else on every interface, since ranks on other machines must reach it).
+
+The watchdog starts before the rendezvous, busy with it as with a collective: a rank that never arrives
+(frozen or stuck before it joins) is named within the same bound as a step, not after the process group's
+30-minute timeout.
 
 The process group's own timeout (gloo's and NCCL's) is a backstop set well above the watchdog's: the
 watchdog ends a stuck job first, with a message naming the rank that holds it up.
@@ -19,10 +24,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .plan import ConfigError
-from .watchdog import Watchdog
+from . import rendezvous
+from .plan import ConfigError, PipelineError
+from .watchdog import COLLECTIVE, DEFAULT_TIMEOUT_S, Watchdog
 
-__all__ = ["DistContext", "init_from_env", "watchdog_timeout_from_env"]
+__all__ = ["DistContext", "init_from_env", "current_watch", "watchdog_timeout_from_env"]
 
 WATCHDOG_ENV = "PIPEOPTIM_WATCHDOG_S"
 PG_TIMEOUT_S = 1800.0
@@ -39,6 +45,8 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+_WATCH: Watchdog | None = None
+RENDEZVOUS = "the rendezvous (joining the process group)"
 
 
 def watchdog_timeout_from_env() -> float | None:
@@ -62,6 +70,37 @@ def _abort_communicators() -> None:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
             abort()
+
+
+def current_watch() -> Watchdog | None:
+    """This rank's watchdog, once it runs (from the start of the rendezvous on), else None."""
+    return _WATCH
+
+
+def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: float | None,
+                    agent: bool) -> Watchdog:
+    """The watchdog's own connection to the store, and the watchdog: started before the rendezvous, so that
+    a rank that never arrives is named. The store is the launcher's or torchrun's agent's (already up), or
+    rank 0's: a rank waits for that one as long as the watchdog would wait for a step (at least 60 s, the
+    timeout of the watchdog's store operations). The watchdog starts busy with the rendezvous (``RENDEZVOUS``),
+    as with a collective: a rank that never arrives is named within the same bound as a step."""
+    global _WATCH
+    bound = max(60.0, watchdog_s if watchdog_s is not None else DEFAULT_TIMEOUT_S)
+    try:
+        watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=bound),
+                                    wait_for_workers=False)
+    except RuntimeError as e:  # torch's DistStoreError included
+        host_of = ("the launcher (pipeoptim.runtime.launch or torchrun) hosts it: it has ended" if agent else
+                   "rank 0 hosts it (no torchrun, no launcher): rank 0 never arrived")
+        raise PipelineError(f"rank {rank}: the rendezvous store at {host}:{port} did not answer within {bound:.0f} s "
+                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {host_of}, or "
+                            "MASTER_ADDR/MASTER_PORT do not name it") from None
+    _WATCH = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
+                      quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1", before_exit=_abort_communicators)
+    _WATCH.doing(RENDEZVOUS, COLLECTIVE)
+    _WATCH.start()
+    atexit.register(_WATCH.stop)  # a rank that finished says so (peers that still wait will name it)
+    return _WATCH
 
 
 def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> DistContext:
@@ -92,15 +131,14 @@ def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> DistCo
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         if timeout_s is None:
             timeout_s = max(PG_TIMEOUT_S, 2 * (watchdog_s or 0))
-        store = dist.TCPStore(host, port, world, is_master=(rank == 0 and not agent),
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        watch_store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=60),
-                                    wait_for_workers=False)
-        watch = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
-                         quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1",
-                         before_exit=_abort_communicators).start()
-        atexit.register(watch.stop)  # a rank that finished says so (peers that still wait will name it)
+        hosted = rendezvous.serve(host, port, world, timeout_s) if rank == 0 and not agent else None
+        watch = _start_watchdog(host, port, rank, world, watchdog_s, agent)
+        try:
+            store = hosted if hosted is not None else dist.TCPStore(
+                host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        finally:
+            watch.idle()
     _CONTEXT = DistContext(dist.get_rank(), dist.get_world_size(), local_rank, tdev, backend, watch)
     return _CONTEXT

@@ -3,11 +3,14 @@ error here, with every process of the job gone.
 
 ``launch(fn, nprocs, *args)`` spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
 set (one torch thread each by default: N processes share the cores), runs ``fn(*args)`` in each and returns
-the per-rank results.
+the per-rank results. A result travels as a file read back with ``torch.load(weights_only=True)``, which runs
+no code: it may hold tensors, numbers, strings, bytes, None and lists, tuples, sets and dicts of them; a rank
+returning anything else (an object of its own class, a numpy array) fails with a ``TypeError`` saying so.
 
-- The rendezvous store lives in this process, as torchrun's agent store does, on a port the operating system
-  picks (``port=None``: two jobs on one machine never meet) or on ``port=`` (one in use is a ``ConfigError``
-  naming it, before any process starts). It outlives every rank, so the job's reason to end still reaches
+- The rendezvous store lives in this process, as torchrun's agent store does, listening on 127.0.0.1 only
+  (``rendezvous``: no other machine can reach it), on a port the operating system picks (``port=None``: two
+  jobs on one machine never meet) or on ``port=`` (one in use is a ``ConfigError`` naming it, before any
+  process starts). It outlives every rank, so the job's reason to end still reaches
   everyone when rank 0 is the one that died.
 - Workers are named ``pipeoptim-r<rank>`` (``ps``, ``top``), ignore SIGINT (Ctrl-C reaches the terminal's
   whole process group; this process ends the job in order) and die with this process
@@ -26,19 +29,18 @@ import ctypes
 import multiprocessing
 import multiprocessing.util
 import os
+import pickle
 import signal
 import tempfile
 import threading
 import time
 import traceback
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import faults
-from .plan import ConfigError, PipelineError
+from . import faults, rendezvous
+from .plan import PipelineError
 
 __all__ = ["launch", "host_store", "JobInterrupted", "POLL_S"]
 
@@ -60,16 +62,8 @@ class _Interrupt(BaseException):
 
 
 def host_store(port: int | None, world_size: int):
-    """The job's rendezvous store, served from this process (port None or 0: a free one)."""
-    try:
-        return dist.TCPStore("127.0.0.1", port or 0, world_size, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=60))
-    except RuntimeError as e:
-        if "EADDRINUSE" in str(e) or "already in use" in str(e):
-            raise ConfigError(f"port {port} on this machine is already in use (another job's rendezvous, or "
-                              "another program): choose another port, or leave the port unset so that a free "
-                              "one is picked") from None
-        raise
+    """The job's rendezvous store, served from this process on 127.0.0.1 only (port None or 0: a free one)."""
+    return rendezvous.serve("127.0.0.1", port, world_size, timeout_s=60)
 
 
 def _die_with(parent: int) -> None:
@@ -82,6 +76,36 @@ def _die_with(parent: int) -> None:
         pass
     if os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(faults.ABORT_EXIT)
+
+
+def _save_result(result, path: str, rank: int) -> None:
+    """Write a rank's result where the launcher reads it with ``torch.load(weights_only=True)``; checked here,
+    by the same loader, so that a result it would refuse is this rank's error, naming what to return."""
+    torch.save(result, path)
+    try:
+        torch.load(path, weights_only=True, mmap=True)  # mapped: a large result is not read twice
+    except pickle.UnpicklingError as e:
+        raise TypeError(f"launch(fn) returned on rank {rank} a {type(result).__name__} holding something the "
+                        f"launcher cannot load safely ({_refused(e)}); return tensors, numbers, strings, bytes, "
+                        "None and lists, tuples, sets and dicts of them (e.g. a dict of floats, or a module's "
+                        "state_dict())") from None
+
+
+def _load_result(workdir: str, rank: int):
+    """Rank ``rank``'s result, read without running any code it may hold (``weights_only=True``)."""
+    path = os.path.join(workdir, f"result{rank}.pt")
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise PipelineError(f"{path} (rank {rank}'s result) holds something torch.load(weights_only=True) refuses "
+                            f"({_refused(e)}); it was not loaded: nothing in it ran") from None
+
+
+def _refused(e: pickle.UnpicklingError) -> str:
+    """The line of torch's weights-only error that names what it refused."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    line = next((line for line in lines if line.startswith("WeightsUnpickler error")), lines[0] if lines else "?")
+    return line.split(" Please use")[0].removeprefix("WeightsUnpickler error: ")
 
 
 def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent: int, watchdog_s, fn,
@@ -100,14 +124,13 @@ def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent
         torch.set_num_threads(threads)
     from . import dist_env
     try:
-        result = fn(*args)
-        torch.save(result, os.path.join(workdir, f"result{rank}.pt"))
-        if dist_env._CONTEXT is not None and dist_env._CONTEXT.watch is not None:
-            dist_env._CONTEXT.watch.stop()
+        _save_result(fn(*args), os.path.join(workdir, f"result{rank}.pt"), rank)
+        if dist_env.current_watch() is not None:
+            dist_env.current_watch().stop()
         multiprocessing.util._run_finalizers(0)  # release semaphores (tqdm's lock) before the hard exit
     except BaseException as e:
         first = True
-        watch = dist_env._CONTEXT.watch if dist_env._CONTEXT is not None else None
+        watch = dist_env.current_watch()
         if watch is not None:
             first = watch.signal(str(e) if isinstance(e, PipelineError) else f"rank {rank}: {type(e).__name__}: {e}",
                                  symptom=faults.is_connection_loss(e))
@@ -218,7 +241,8 @@ class _Job:
 
 def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: float = 3.0, threads: int = 1,
            port: int | None = None, watchdog_s: float | None = None) -> list:
-    """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result, or raises
+    """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result (tensors, numbers, strings,
+    bytes, None and containers of them: read back with ``torch.load(weights_only=True)``), or raises
     ``PipelineError`` naming the rank that failed (and how), ``JobInterrupted`` on SIGINT/SIGTERM, or
     ``ConfigError`` when ``port`` is taken. ``watchdog_s``: the ranks' stall timeout (``watchdog``)."""
     if nprocs < 1:
@@ -261,5 +285,5 @@ def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: floa
             raise JobInterrupted(received[0], f"stopped by {faults.signal_name(received[0])}: every rank has ended "
                                  f"(exit status: {job.summary()})")
         if all(c == 0 for c in codes):
-            return [torch.load(os.path.join(workdir, f"result{r}.pt"), weights_only=False) for r in range(nprocs)]
+            return [_load_result(workdir, r) for r in range(nprocs)]
         raise job.report()

@@ -15,12 +15,16 @@ the rendezvous store does, every ``poll_s``:
 
 The stall timeout is ``timeout_s`` when given (``Pipeline(watchdog_s=...)``, ``PIPEOPTIM_WATCHDOG_S``), else
 ``max(300 s, 20 × the slowest iteration measured so far)``: a few minutes, more for runs with long steps.
+Start-up is watched the same way: the rendezvous (``dist_env``), the collectives that build a ``Pipeline``
+and ``load`` are each one thing inside the pipeline, so a rank that never arrives or freezes before them is
+named within the same bound; a rank's own work while it builds is only shown in its heartbeat (``working``).
 Time a rank spends outside the pipeline (between ``train_step`` calls) never trips its own watchdog; a rank
 waiting for such a peer does trip, because that is also how a rank whose program took another path (one
 ``train_step`` fewer) looks from outside.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -89,6 +93,20 @@ class Watchdog:
     def doing(self, what, peer: int | None = None) -> None:
         """The main thread starts ``what`` inside the pipeline (waiting for global rank ``peer``)."""
         self._doing = Doing(what, peer, time.monotonic())
+
+    @contextlib.contextmanager
+    def during(self, what):
+        """``what`` (a phase every rank goes through together: loading a checkpoint) is inside the pipeline."""
+        self.doing(what, COLLECTIVE)
+        try:
+            yield
+        finally:
+            self.idle()
+
+    def working(self, what) -> None:
+        """The main thread does ``what`` on its own, outside the pipeline (building its stages): its heartbeat
+        says so, but it is never a stall of this rank's own; a peer that waits for it too long names it."""
+        self._doing = Doing(what, None, time.monotonic(), busy=False)
 
     def idle(self) -> None:
         """The main thread left the pipeline: its own time no longer counts towards a stall."""
@@ -203,7 +221,7 @@ class Watchdog:
 
 def _label(beat: dict | None, state: str) -> str:
     if beat is None:
-        return "no heartbeat (never started, or ended before this one looked)"
+        return "NEVER ARRIVED (no heartbeat: not started yet, stopped, or died before its first one)"
     if state == "frozen":
         return f"NOT RESPONDING (its last heartbeat: {_activity(beat)})"
     return _activity(beat)
@@ -213,7 +231,7 @@ def _activity(beat: dict) -> str:
     if beat.get("ended"):
         return "its program had ended"
     if not beat["busy"]:
-        return "outside the pipeline"
+        return beat["what"]  # "outside the pipeline", or what it does there (``working``)
     peer, took = beat["peer"], f"for {beat['for']:.0f} s"
     if peer is None:
         return f"running {beat['what']} {took}"
@@ -260,7 +278,8 @@ def diagnose(me: int, before: dict[int, dict], after: dict[int, dict], world_siz
         r = frozen[0]
         last = after.get(r) or before.get(r)
         if states[r] == "missing":
-            head = f"{who(r)} never reported a heartbeat: it did not start, or died before its first one"
+            head = (f"{who(r)} never arrived: it sent no heartbeat, so it has not started (still importing, or "
+                    "never launched), was stopped (SIGSTOP, a debugger) or died before its first one")
         elif states[r] == "ended":
             head = f"{who(r)} has left the job (its program ended) while others still wait for it"
         else:
@@ -273,6 +292,9 @@ def diagnose(me: int, before: dict[int, dict], after: dict[int, dict], world_siz
     elif states[end] == "computing":
         head = (f"{who(end)} has been {_activity(after[end])} without waiting for any other rank: that code "
                 "hangs, or it is slower than the watchdog allows")
+    elif states[end] == "idle" and after[end]["what"] != _IDLE.what:
+        head = (f"{who(end)} is still {after[end]['what']} while rank {chain[-2] if len(chain) > 1 else me} waits "
+                "for it: it is slower than the watchdog allows, or hangs there")
     elif states[end] == "idle":
         head = (f"{who(end)} is outside the pipeline (not in train_step, eval_step, save or load) while rank "
                 f"{chain[-2] if len(chain) > 1 else me} waits for it: every rank must make the same pipeline "
