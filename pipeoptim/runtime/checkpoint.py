@@ -49,11 +49,18 @@ __all__ = ["pipeline_state", "save", "load", "read", "inspect", "plain_problem",
 
 
 def _param_order(st) -> list[str]:
-    names = [st.names[n] for n, _ in st.module.named_parameters()]
-    count = sum(len(g["params"]) for g in st.optimizer.param_groups)
-    if count != len(names):
-        raise RuntimeError(f"stage {st.chunk.stage}: the optimizer holds {count} parameters but the module has "
-                           f"{len(names)}; checkpoints need every parameter in the optimizer, in module order")
+    """Global names of the optimizer's parameters in its own state_dict order (which a chained optimizer, e.g.
+    Muon on the matrices + AdamW on the rest, does not keep in module order)."""
+    module_params = list(st.module.named_parameters())
+    name_of = {id(p): st.names[n] for n, p in module_params}
+    binding = getattr(st.policy, "binding", None)
+    if binding is not None:
+        name_of.update({id(p): st.names[n] for n, p in binding.named_master_params()})
+    names = [name_of.get(id(p)) for g in st.optimizer.param_groups for p in g["params"]]
+    if None in names or len(set(names)) != len(module_params) or len(names) != len(module_params):
+        raise RuntimeError(f"stage {st.chunk.stage}: the optimizer holds {len(names)} parameters but the module has "
+                           f"{len(module_params)}; checkpoints need every parameter of the stage in its optimizer, "
+                           "once")
     return names
 
 
