@@ -8,7 +8,6 @@ pip's default isolated build cannot see the installed torch, and a torch it down
 the extension runs with, so it stops at once with the command above (see _no_torch).
 """
 import importlib.util
-import logging
 import os
 import subprocess
 import sys
@@ -50,12 +49,10 @@ def _extension(plan, cpp_extension):
 
 
 def _build_ext():
-    # torch guesses a CUDA_HOME when this is imported and logs it; the build's own line says which it takes
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    from torch.utils import cpp_extension
+    cpp_extension = build.cpp_extension()
 
     class BuildKernels(cpp_extension.BuildExtension):
-        """Decides CUDA or CPU only when the extension is built (once; not in pip's metadata steps)."""
+        """Decides CUDA or CPU once, when the extension is built: not when pip's metadata step lists the sources."""
 
         def run(self):
             plan = build.cuda_plan()
@@ -63,7 +60,9 @@ def _build_ext():
             if not cpp_extension.is_ninja_available():
                 print("pipeoptim_kernels: no ninja: compiling one file at a time, without a line per step "
                       "(pip install ninja)", file=sys.stderr, flush=True)
-            self.extensions = [_extension(plan, cpp_extension)]
+            chosen = _extension(plan, cpp_extension)
+            for ext in self.extensions:  # the placeholder setuptools has set up: given the chosen build
+                vars(ext).update({k: v for k, v in vars(chosen).items() if not k.startswith("_")})
             super().run()
 
     return BuildKernels.with_options(use_ninja=True)
@@ -74,5 +73,5 @@ try:
 except ModuleNotFoundError:
     sys.exit(_no_torch())
 
-# The sources listed here put them in an sdist; BuildKernels.run replaces this with the real extension.
+# The sources listed here put them in an sdist; BuildKernels replaces this with the real extension.
 setup(ext_modules=[Extension(build.EXT_NAME, build.sources(True, HERE))], cmdclass={"build_ext": _build_ext()})

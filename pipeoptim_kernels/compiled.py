@@ -27,8 +27,7 @@ _state: dict = {"tried": False, "module": None, "error": None}
 
 
 def _jit_build():
-    from torch.utils import cpp_extension
-
+    cpp_extension = _build.cpp_extension()
     if not _build.CSRC.is_dir():
         raise RuntimeError(f"no C++ sources at {_build.CSRC} to build from")
     plan = _build.cuda_plan() if torch.cuda.is_available() else None

@@ -231,3 +231,69 @@ def test_an_isolated_build_stops_at_once_and_says_how_to_install(tmp_path):
     assert done.returncode != 0
     assert "pip's build isolation hides" in done.stderr and "pip install --no-build-isolation ." in done.stderr
     assert time.monotonic() - start < 60
+
+
+# --- A plain install, used from elsewhere ------------------------------------------------------------------
+
+def _copy_of_the_clone(dest: Path) -> Path:
+    """The files a clone of this repository has (tracked, plus new ones git does not ignore): no build
+    outputs, no extension built here."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=_build.ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:  # not a git checkout: everything but what a build leaves
+        shutil.copytree(_build.ROOT, dest, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "runs", "__pycache__", "*.egg-info", "*.so"))
+        return dest
+    for name in filter(None, listed.stdout.split("\0")):
+        if (_build.ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(_build.ROOT / name, dest / name)
+    return dest
+
+
+@pytest.mark.slow
+def test_pip_install_of_a_clone_works_from_outside_the_source_tree(tmp_path):
+    """The first way in: a plain `pip install --no-build-isolation <clone>` (not editable) into a venv that
+    sees this environment's torch, then the package used from another folder: `pipeoptim --help` and the
+    compiled kernels it installed. The CPU kernels alone (a few minutes, not the CUDA build's), through the
+    fallback for real: CUDA_HOME names a folder with no toolkit, so the build says so once and goes on."""
+    if os.environ.get("PIPEOPTIM_KERNELS_BUILD"):
+        pytest.skip("runs in the main pass only (this pass tests the build under PIPEOPTIM_KERNELS_BUILD)")
+    clone = _copy_of_the_clone(tmp_path / "clone")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PIPEOPTIM_KERNELS_BUILD", "CUDA_PATH", "PIPEOPTIM_NO_CUDA")}
+    env.update(CUDA_HOME=str(tmp_path / "no-toolkit-here"), MAX_JOBS="2")
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-v", "--no-build-isolation",
+                          "--disable-pip-version-check", str(clone)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    said = pip.stdout + pip.stderr
+    assert pip.returncode == 0, said[-5000:]
+
+    warnings = [line for line in said.splitlines() if "pipeoptim_kernels: WARNING" in line]
+    if torch.version.cuda is not None:
+        assert len(warnings) == 1, warnings
+        assert f"CUDA_HOME={tmp_path / 'no-toolkit-here'}, but" in warnings[0]
+    else:
+        assert not warnings and "building the CPU kernels only (torch" in said
+    steps = re.findall(r"^\s*\[(\d+)/(\d+)\]", said, re.MULTILINE)  # ninja: a line per compile step
+    assert {total for _, total in steps} == {str(len(_build.CPU_SOURCES))}
+    assert sorted(int(done) for done, _ in steps) == list(range(1, len(_build.CPU_SOURCES) + 1))
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env["PIPEOPTIM_NO_JIT"] = "1"  # the installed extension or nothing
+    cli = subprocess.run([str(venv / "bin" / "pipeoptim"), "--help"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and "train" in cli.stdout, cli.stdout + cli.stderr
+    check = ("import pipeoptim, pipeoptim_kernels as pk; from pipeoptim_kernels import compiled; "
+             "print(pipeoptim.__file__); print(compiled.load().__file__); print(' '.join(pk.available_backends()))")
+    used = subprocess.run([str(venv / "bin" / "python"), "-c", check], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert used.returncode == 0, used.stdout + used.stderr
+    package, extension, backends = used.stdout.strip().splitlines()[-3:]
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, env=env).stdout.strip())
+    assert Path(package).is_relative_to(site) and Path(extension).is_relative_to(site)
+    assert "cpu" in backends.split()
