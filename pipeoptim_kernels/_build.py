@@ -78,14 +78,12 @@ def cuda_lib_dir(home: str) -> Path:
 
 
 def toolkit_problem(home: str) -> str | None:
-    """What makes `home` unusable as the toolkit the build compiles and links with, or None."""
+    """What makes `home` unusable as the toolkit the build compiles with, or None. (Linking with its
+    libcudart is left to the probe: a linker finds it in its own folders too, as in Debian's layout.)"""
     if not Path(home, "bin", "nvcc").is_file():
         return f"{home} has no bin/nvcc"
     if not Path(home, "include", "cuda_runtime.h").is_file():
         return f"{home} has no include/cuda_runtime.h"
-    lib = cuda_lib_dir(home)
-    if not any((lib / name).exists() for name in ("libcudart.so", "libcudart.a")):
-        return f"{home} has no {lib.name}/libcudart.so to link with"
     return None
 
 
@@ -101,12 +99,13 @@ def locate_cuda_toolkit() -> tuple[str | None, str]:
     on_path = shutil.which("nvcc")
     if on_path:
         nvcc = real_nvcc(on_path)
-        home = str(Path(nvcc).parent.parent)
         how = f"the nvcc on PATH, {on_path}" + (f", runs {nvcc}" if nvcc != on_path else "")
-        problem = toolkit_problem(home)
-        if problem is None:
-            return home, how
-        rejected.append(f"{how}: {problem}")
+        # the folder of the nvcc that really runs; then torch's own guess, the parent of the PATH entry's folder
+        for home in dict.fromkeys([str(Path(nvcc).parent.parent), str(Path(on_path).parent.parent)]):
+            problem = toolkit_problem(home)
+            if problem is None:
+                return home, how
+            rejected.append(f"{how}: {problem}")
     else:
         rejected.append("no nvcc on PATH")
     if Path(DEFAULT_CUDA_HOME).exists():
@@ -163,9 +162,9 @@ def probe_cuda(home: str) -> str | None:
             arch_flags = cuda_arch_flags()
         except ValueError as bad_list:  # torch's own check of the list
             return f"TORCH_CUDA_ARCH_LIST={archs}: {bad_list}"
-        steps = [(f"compile for TORCH_CUDA_ARCH_LIST={archs}", [nvcc, *arch_flags, "-Xcompiler", "-fPIC", "-c", str(source), "-o", str(obj)]),
-                 ("link", [cxx, "-shared", str(obj), f"-L{cuda_lib_dir(home)}", "-lcudart", "-o", str(lib)])]
-        for what, cmd in steps:
+        compile_ = [nvcc, *arch_flags, "-Xcompiler", "-fPIC", "-c", str(source), "-o", str(obj)]
+        link = [cxx, "-shared", str(obj), f"-L{cuda_lib_dir(home)}", "-lcudart", "-o", str(lib)]
+        for what, cmd in ((f"compile for TORCH_CUDA_ARCH_LIST={archs}", compile_), ("link", link)):
             done = _run(cmd, timeout=300)
             if done is None or done.returncode != 0:
                 said = (done.stderr or done.stdout).strip().splitlines()[-3:] if done is not None else ["did not run"]

@@ -144,7 +144,11 @@ def test_a_symlinked_nvcc_is_followed_too(bare_env, tmp_path):
 
 @pytest.mark.parametrize("broken", ["no nvcc", "no header", "no libcudart"])
 def test_cuda_home_naming_no_usable_toolkit_builds_the_cpu_kernels_with_one_warning(bare_env, tmp_path, broken):
-    """An explicit CUDA_HOME is the user's choice: checked, never silently replaced by another toolkit."""
+    """An explicit CUDA_HOME is the user's choice: checked, never silently replaced by another toolkit.
+    (No libcudart: the test link fails as the build's would, with the linker's own words.)"""
+    if broken == "no libcudart" and subprocess.run(["c++", "-shared", "-x", "c++", os.devnull, "-lcudart", "-o",
+                                                     str(tmp_path / "t.so")], capture_output=True).returncode == 0:
+        pytest.skip("this linker finds a libcudart in its own folders: a toolkit without one links anyway")
     home = _fake_toolkit(tmp_path / "cuda")
     {"no nvcc": home / "bin" / "nvcc", "no header": home / "include" / "cuda_runtime.h",
      "no libcudart": home / "lib64" / "libcudart.so"}[broken].unlink()
@@ -153,11 +157,28 @@ def test_cuda_home_naming_no_usable_toolkit_builds_the_cpu_kernels_with_one_warn
     bare_env.setenv("CUDA_HOME", str(home))
     plan = _build.cuda_plan()
     assert not plan.with_cuda and plan.warn
-    missing = {"no nvcc": "bin/nvcc", "no header": "include/cuda_runtime.h", "no libcudart": "lib64/libcudart.so"}
-    assert f"CUDA_HOME={home}, but {home} has no {missing[broken]}" in plan.reason
+    said = {"no nvcc": f"CUDA_HOME={home}, but {home} has no bin/nvcc",
+            "no header": f"CUDA_HOME={home}, but {home} has no include/cuda_runtime.h",
+            "no libcudart": f"CUDA_HOME={home}: a test link failed"}[broken]
+    assert said in plan.reason
+    if broken == "no libcudart":
+        assert "-lcudart" in plan.reason
     line = _build.describe(plan)
     assert line.count("WARNING") == 1 and "building the CPU kernels only" in line
     assert "set CUDA_HOME to a CUDA 13.x toolkit" in line and "PIPEOPTIM_NO_CUDA=1" in line
+
+
+def test_torchs_own_guess_is_taken_where_the_wrapped_nvcc_lives_apart_from_the_headers(bare_env, tmp_path):
+    """Debian's layout: /usr/bin/nvcc wraps /usr/lib/nvidia-cuda-toolkit/bin/nvcc, the headers are in
+    /usr/include: the folder above the PATH entry's (torch's guess) is the toolkit there."""
+    real = _fake_toolkit(tmp_path / "lib" / "nvidia-cuda-toolkit")
+    (real / "include" / "cuda_runtime.h").unlink()
+    usr = tmp_path / "usr"
+    _wrapper(usr / "bin", real / "bin" / "nvcc")
+    (usr / "include").mkdir()
+    (usr / "include" / "cuda_runtime.h").write_text("// fake\n")
+    bare_env.setenv("PATH", f"{usr / 'bin'}:/usr/bin:/bin")
+    assert _build.cuda_home() == str(usr)
 
 
 def test_no_nvcc_anywhere_builds_the_cpu_kernels_with_one_warning(bare_env):
@@ -293,7 +314,8 @@ def test_pip_install_of_a_clone_works_from_outside_the_source_tree(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert used.returncode == 0, used.stdout + used.stderr
     package, extension, backends = used.stdout.strip().splitlines()[-3:]
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, env=env).stdout.strip())
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", where], capture_output=True, text=True,
+                               env=env).stdout.strip())
     assert Path(package).is_relative_to(site) and Path(extension).is_relative_to(site)
     assert "cpu" in backends.split()
