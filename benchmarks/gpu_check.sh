@@ -35,7 +35,8 @@ else
     export DEV=cuda QUICK="" TRITON_INTERPRET=0 PIPEOPTIM_GPU_TESTS_ON_CPU=0 KERNEL_SIZES="--sizes 256M,1G --rounds 5"
     STEPS_TITLE="gpu_check on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 fi
-export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")")")}"
+# the toolkit setup.py builds with (the nvcc on PATH seen through wrapper scripts: pipeoptim_kernels/_build.py)
+export CUDA_HOME="${CUDA_HOME:-$("$PY" -c 'from pipeoptim_kernels._build import cuda_home; print(cuda_home() or "")')}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 
 # The machine and the versions, as CSV.

@@ -27,13 +27,13 @@ _state: dict = {"tried": False, "module": None, "error": None}
 
 
 def _jit_build():
-    from torch.utils import cpp_extension
-
+    cpp_extension = _build.cpp_extension()
     if not _build.CSRC.is_dir():
         raise RuntimeError(f"no C++ sources at {_build.CSRC} to build from")
-    with_cuda = _build.want_cuda() and torch.cuda.is_available()
+    plan = _build.cuda_plan() if torch.cuda.is_available() else None
+    with_cuda = plan is not None and plan.with_cuda
     if with_cuda:
-        os.environ.setdefault("CUDA_HOME", _build.cuda_home())
+        _build.use_toolkit(plan.home)
     cflags = list(_build.CXX_FLAGS) + (["-DPIPEOPTIM_WITH_CUDA"] if with_cuda else [])
     return cpp_extension.load(
         name="pipeoptim_kernels_C", sources=_build.sources(with_cuda), extra_cflags=cflags,

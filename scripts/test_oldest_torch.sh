@@ -51,10 +51,8 @@ PY
     pip_install numpy matplotlib tqdm pytest scikit-learn ninja setuptools wheel
 fi
 
-# The extension for this torch, in the venv: the same setup.py the GPU machine builds with.
-if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
-    export CUDA_HOME=/usr/local/cuda
-fi
+# The extension for this torch, in the venv: the same setup.py the GPU machine builds with (it finds the
+# CUDA toolkit itself; its first line in the log says which).
 export TORCH_CUDA_ARCH_LIST="${OLDEST_TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 start=$(date +%s)
 if ! "$VPY" setup.py build_ext --build-temp "$VENV/build/temp" --build-lib "$VENV/build/lib" > "$VENV/build.log" 2>&1; then
