@@ -9,5 +9,12 @@ cd "$(dirname "$0")/.."
 echo "==> scripts/main.sh: installs (scripts/install.sh: about 6 minutes on 2 idle cores once torch is" \
      "downloaded, about 6 GB), then runs pipeoptim train (about a minute)"
 bash scripts/install.sh
-echo "==> pipeoptim train $*"
-pipeoptim train "$@"
+# The main job starts afresh each time (--overwrite replaces the previous main run's checkpoints, history
+# and picture in runs/train); pass --resume to continue it instead.
+args=("$@")
+case " $* " in
+    *" --resume "*) ;;
+    *) args=(--overwrite "$@") ;;
+esac
+echo "==> pipeoptim train ${args[*]}"
+pipeoptim train "${args[@]}"
