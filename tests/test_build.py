@@ -320,3 +320,11 @@ def test_pip_install_of_a_clone_works_from_outside_the_source_tree(tmp_path):
                                env=env).stdout.strip())
     assert Path(package).is_relative_to(site) and Path(extension).is_relative_to(site)
     assert "cpu" in backends.split()
+    # the main job on a user's own text, from the installed package (issue 22's "done when")
+    (elsewhere / "notes.txt").write_text(Path(__file__).read_text() * 2)
+    trained = subprocess.run([str(venv / "bin" / "pipeoptim"), "train", "--data", "notes.txt", "--steps", "20",
+                              "--model", "tiny", "--emulate", "--no-progress", "--run-dir", "run"],
+                             cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    assert trained.stdout.strip().splitlines()[-1].startswith("final loss: ")
+    assert (elsewhere / "run" / "history.json").exists() and (elsewhere / "run" / "loss.png").exists()
