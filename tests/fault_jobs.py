@@ -84,6 +84,8 @@ def startup_job(markers: str, stop_rank: int, where: str) -> str:
 
     def reach(point: str) -> None:
         if me == stop_rank and where == point:
+            if point == "build":  # let the heartbeat (every 1 s) publish "building" first: the test reads it
+                time.sleep(2.5)
             open(os.path.join(markers, f"stopping.{me}"), "w").close()
             os.kill(os.getpid(), signal.SIGSTOP)
 
