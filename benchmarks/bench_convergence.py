@@ -60,6 +60,22 @@ ZB_METHODS = ("zb-none", "zb-pipeoptim", "zb-pipeoptim-sI")
 # s ablation: method -> (prediction mode, the policy's s_rule); "code" is the public code's s = D - k
 ABLATION = {"s-schedule": ("exact", "schedule"), "s-paper": ("exact", "paper"), "s-code": ("exact", "reference"),
             "reference": ("reference", "reference")}
+# Issue 20's candidates for training Transformers asynchronously: a schedule and weight policy, plus what each changes
+# of the run's optimizer (its kind and β1; the lr stays the sweep's) and the delay-aware rules (pipeoptim.delay).
+CANDIDATES = {
+    # PipeOptim predicting 2BW's one update of delay (2BW: D micro-batches of b/D per update, two versions)
+    "pipeoptim-2bw": dict(schedule="2bw", policy="pipeoptim"),
+    # the same with β1 = 0.99, which the quadratic model finds raises prediction's stability limit 3.5x
+    "pipeoptim-2bw-b99": dict(schedule="2bw", policy="pipeoptim", beta1=0.99),
+    # the ICML 2025 Nesterov paper's recipe: stash + NAdam β1 0.99 (decoupled decay), PipeMare lr, its momentum rule
+    "nesterov": dict(schedule="async-1f1b", policy="stash", optimizer="nadam", beta1=0.99,
+                     delay=dict(lr="pipemare", momentum="nesterov", warmup=128)),
+    # PipeOptim's prediction with the same optimizer and rules
+    "pipeoptim-nadam": dict(schedule="async-1f1b", policy="pipeoptim", optimizer="nadam", beta1=0.99,
+                            delay=dict(lr="pipemare", momentum="nesterov", warmup=128)),
+    # DC-ASGD's delay compensation on stash (benchmarks/quadratic_delay_model.md)
+    "stash-dc": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=1.0)),
+}
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
 SUITES = {
@@ -212,6 +228,18 @@ def _register_input_s_policy():
 # ---- one run ------------------------------------------------------------------------------------------------
 def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     """Pipeline keyword arguments and the per-micro-batch size for `method`."""
+    if method in CANDIDATES:
+        c = CANDIDATES[method]
+        kw = dict(schedule=c["schedule"], policy=c["policy"], microbatches=window,
+                  policy_options=dict(c.get("policy_options", {})))
+        if c.get("delay"):
+            kw["delay_hparams"] = dict(c["delay"])
+        if c["schedule"] != "2bw":
+            return kw, mbs
+        if mbs % devices:
+            raise ValueError(f"{method} splits each update's {mbs} samples into {devices} micro-batches; use a "
+                             f"micro-batch size divisible by {devices}")
+        return kw, mbs // devices
     if method == "sync":
         return dict(schedule="1f1b", policy=None, microbatches=1), mbs
     if method == "2bw":
@@ -231,33 +259,47 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     pol = {"pipeoptim-paper": ("pipeoptim", {"mode": "paper"}),
            "pipeoptim-exact": ("pipeoptim", {"mode": "exact"})}.get(method, (method, {}))
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS + ZB_METHODS + tuple(ABLATION))}")
+        raise ValueError(f"unknown method {method!r}; choose one of "
+                     f"{', '.join(METHODS + ZB_METHODS + tuple(ABLATION) + tuple(CANDIDATES))}")
     return dict(schedule="async-1f1b", policy=pol[0], policy_options=pol[1], microbatches=window), mbs
 
 
-def make_optimizer(name: str, lr: float, fused: bool = False):
-    """fused=True: torch's fused implementation of the same update (the fastest torch step on CPU)."""
+def make_optimizer(name: str, lr: float, fused: bool = False, beta1: float = 0.9):
+    """fused=True: torch's fused implementation of the same update (the fastest torch step on CPU; NAdam has
+    none). ``beta1``: SGD's momentum or the Adam family's β1."""
     extra = {"fused": True} if fused else {}
     if name == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9, **extra)
+        return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=beta1, **extra)
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1, **extra)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(beta1, 0.999), weight_decay=0.1, **extra)
     if name == "adam":
-        return lambda ps: torch.optim.Adam(ps, lr=lr, **extra)
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam or adamw")
+        return lambda ps: torch.optim.Adam(ps, lr=lr, betas=(beta1, 0.999), **extra)
+    if name == "nadam":  # decoupled decay, as AdamW's
+        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(beta1, 0.999), weight_decay=0.1,
+                                            decoupled_weight_decay=True)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam, adamw or nadam")
 
 
-def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=None, fused: bool = False):
+def updates_per_call(kw: dict, devices: int) -> int:
+    """Optimizer updates per train_step of a method's Pipeline arguments (2BW: one per D micro-batches)."""
+    return kw["microbatches"] // (devices if kw["schedule"] == "2bw" else 1)
+
+
+def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=None, fused: bool = False,
+                   lr_scheduler=None):
     """The emulated pipeline `method` trains with, and the micro-batch size and Pipeline arguments it used.
-    ``cfg``: devices, mbs, optimizer, lr (a suite's settings); ``fused``: torch's fused optimizer step."""
+    ``cfg``: devices, mbs, optimizer, lr (a suite's settings); ``fused``: torch's fused optimizer step;
+    ``lr_scheduler``: Pipeline's (e.g. a warm-up). A candidate (CANDIDATES) brings its own optimizer kind and β1."""
     from pipeoptim.schedules import get_schedule
     from pipeoptim.train import Pipeline
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
     synchronous = get_schedule(kw["schedule"], D, kw["microbatches"]).synchronous
-    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn,
-                    optimizer=make_optimizer(cfg["optimizer"], cfg["lr"], fused), devices=D, emulate=True,
-                    balance=balance, **kw, **task.pipeline_kw(synchronous))
+    own = CANDIDATES.get(method, {})
+    optimizer = make_optimizer(own.get("optimizer", cfg["optimizer"]), cfg["lr"], fused and "optimizer" not in own,
+                               beta1=own.get("beta1", 0.9))
+    pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=optimizer, devices=D, emulate=True,
+                    balance=balance, lr_scheduler=lr_scheduler, **kw, **task.pipeline_kw(synchronous))
     if method in ABLATION:     # the constant s rules need each stage's place, which Pipeline does not pass
         for w in pipe.workers:
             for chunk, st in w.stages.items():
@@ -276,8 +318,7 @@ def run_one(suite: str, method: str, seed: int, cfg: dict, window: int) -> tuple
     task = Task(cfg["task"], seed)
     D = cfg["devices"]
     pipe, mb_size, kw = build_pipeline(method, task, cfg, window)
-    per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
-    per_call = kw["microbatches"] // per_update  # updates per train_step
+    per_call = updates_per_call(kw, D)
     curve, steps, t0, train_losses = [], 0, time.perf_counter(), []
     diverged = False
     while steps < cfg["steps"]:

@@ -121,6 +121,9 @@ class Workload:
     fused_optimizer: bool = True   # torch's fused step (the fastest torch offers on CPU), in runs and timings alike
     cost_repeats: int = 5          # per round, 3 rounds
     overhead_iters: int = 32
+    warmup: int = 0                # updates of linear lr warm-up, every method alike (0: none)
+    runs: tuple[str, ...] = ()     # the asynchronous runs the study trains (default: ASYNC_RUNS)
+    widen: int = 0                 # times the sweep may be widened by 2x past an edge that holds a method's best
 
     def __post_init__(self):
         if self.updates % self.eval_every or any(self.window % d for d in self.depths):
@@ -137,12 +140,29 @@ class Workload:
     def stage_balance(self, devices: int) -> list[int] | None:
         return None if self.balance is None else self.balance(devices)
 
+    @property
+    def async_runs(self) -> tuple[str, ...]:
+        return self.runs or ASYNC_RUNS
+
+    def lr_scheduler(self):
+        """Pipeline's lr_scheduler: a linear warm-up over `warmup` updates, then the sweep's lr (None: none)."""
+        if self.warmup <= 0:
+            return None
+        warmup = self.warmup
+        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup))
+
 
 GPT16 = dict(seq_len=32, d_model=64, n_heads=4, n_layers=16)
 WORKLOADS = {w.name: w for w in [
     # lr: a pilot of synchronous training plateaued at 3.1 nats with 3e-3, so the sweep brackets 1e-3 from below
     Workload("gpt16", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16)),
+    # issue 20's study: gpt16 with a warm-up of 64 updates for every method, the sweep widened until each best is
+    # bracketed, the section-6 asynchronous methods beside the candidates (bench_convergence.CANDIDATES)
+    Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
+             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
+             runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
+                   "pipeoptim-nadam", "stash-dc")),
     # Hugging Face's GPT-2 (transformers.GPT2LMHeadModel, vocabulary 256, no dropout) of gpt16's size, cut by
     # pipeoptim.models.hf into embedding / 16 blocks / norm+head, its tied embeddings two copies under the async
     # schedules; ~1.4x gpt16's cost per update, so 320 updates (window 160) and a first target of 2.6 keep the
@@ -168,6 +188,13 @@ METHODS = {
     "2bw": ("2bw", "2bw"),
     "spectrain": ("spectrain", "async-1f1b"),
     "pipeoptim": ("pipeoptim-exact", "async-1f1b"),
+    "zbv": ("sync", "zbv"),
+    # issue 20's candidates (bench_convergence.CANDIDATES)
+    "pipeoptim-2bw": ("pipeoptim-2bw", "2bw"),
+    "pipeoptim-2bw-b99": ("pipeoptim-2bw-b99", "2bw"),
+    "nesterov": ("nesterov", "async-1f1b"),
+    "pipeoptim-nadam": ("pipeoptim-nadam", "async-1f1b"),
+    "stash-dc": ("stash-dc", "async-1f1b"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
 ABLATION = ("s-paper", "s-code")   # s-schedule is pipeoptim-exact itself (tests/test_bench_convergence.py)
@@ -175,7 +202,8 @@ REFERENCE = "pipeoptim"
 # the weight policy each convergence run uses on every stage (what its per-stage work is measured with)
 POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "spectrain",
                  "pipeoptim-exact": "pipeoptim", "s-paper": "pipeoptim", "s-code": "pipeoptim-code",
-                 "none": "none"}
+                 "none": "none", "pipeoptim-2bw": "pipeoptim-2bw", "pipeoptim-2bw-b99": "pipeoptim-2bw",
+                 "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash"}
 
 
 # ---- one training run ---------------------------------------------------------------------------------------------
@@ -296,10 +324,9 @@ def run_curve(workload: str, method: str, devices: int, lr: float, seed: int, up
     D = devices or min(wl.depths)  # sync: the update does not depend on the depth
     cfg = dict(devices=D, mbs=wl.batch, optimizer=wl.optimizer, lr=lr)
     pipe, mb_size, kw = bc.build_pipeline(method, task, cfg, wl.window, balance=wl.stage_balance(D),
-                                          fused=wl.fused_optimizer)
-    per_update = D if method == "2bw" else 1  # micro-batches per optimizer update
+                                          fused=wl.fused_optimizer, lr_scheduler=wl.lr_scheduler())
     curve, diverged, loss = train_with_snapshots(pipe, task, wl, mb_size * kw["microbatches"],
-                                                 kw["microbatches"] // per_update)
+                                                 bc.updates_per_call(kw, D))
     finite = [v for _, v in curve if math.isfinite(v)]
     return {"workload": workload, "method": method, "devices": devices, "lr": lr, "seed": seed,
             "updates": wl.updates, "microbatch_size": mb_size, "diverged": diverged,
@@ -380,8 +407,7 @@ def run_depths(wl: Workload, run: str) -> list[int]:
 def best_lr(wl: Workload, rows: list[dict], run: str, devices: int) -> float | None:
     """The sweep's best lr for `run` at `devices` (seed 0 of the sweep): fewest updates to the headline target
     among runs that did not diverge; if none reached it, the best final value. None if every run diverged."""
-    sweep = [r for r in rows if r["method"] == run and r["devices"] == devices and r["seed"] == wl.seeds[0]
-             and r["lr"] in wl.lrs]
+    sweep = sweep_runs(wl, rows, run, devices)
     ok = [r for r in sweep if not r["diverged"]]
     if not ok:
         return None
@@ -393,10 +419,44 @@ def best_lr(wl: Workload, rows: list[dict], run: str, devices: int) -> float | N
     return min(ok, key=lambda r: sign * float(r["final"]))["lr"]
 
 
+def sweep_runs(wl: Workload, rows: list[dict], run: str, devices: int) -> list[dict]:
+    """The seed-0 runs of `run` at `devices` at the sweep's lrs and at those it was widened to."""
+    return [r for r in rows if r["method"] == run and r["devices"] == devices and r["seed"] == wl.seeds[0]
+            and r["lr"] in swept_lrs(wl, rows)]
+
+
+def swept_lrs(wl: Workload, rows: list[dict]) -> set[float]:
+    """The sweep's lrs, and each factor-2 step past its ends up to `widen` of them (where widening ran)."""
+    lo, hi = min(wl.lrs), max(wl.lrs)
+    return set(wl.lrs) | {lo / 2 ** i for i in range(1, wl.widen + 1)} | {hi * 2 ** i for i in range(1, wl.widen + 1)}
+
+
+def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float | None:
+    """The next lr to try when `run`'s best at `devices` is the smallest or largest lr tried (so the sweep has not
+    bracketed it) and the sweep may still be widened; None when it is bracketed (or cannot be)."""
+    tried = sorted({r["lr"] for r in sweep_runs(wl, rows, run, devices)})
+    best = best_lr(wl, rows, run, devices)
+    if best is None or len(tried) < 2:
+        return None
+    allowed = swept_lrs(wl, rows)
+    for edge, step in ((tried[0], 0.5), (tried[-1], 2.0)):
+        if best == edge and any(math.isclose(edge * step, lr) for lr in allowed):
+            return next(lr for lr in allowed if math.isclose(edge * step, lr))
+    return None
+
+
 def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
-    runs = ("sync",) + ASYNC_RUNS
+    runs = ("sync",) + wl.async_runs
     if phase == "sweep":
         return [(m, d, lr, wl.seeds[0]) for m in runs for d in run_depths(wl, m) for lr in wl.lrs]
+    if phase == "widen":
+        out = []
+        for m in runs:
+            for d in run_depths(wl, m):
+                lr = widen_sweep(wl, rows, m, d)
+                if lr is not None:
+                    out.append((m, d, lr, wl.seeds[0]))
+        return out
     if phase == "seeds":
         out = []
         for m in runs:
@@ -406,6 +466,8 @@ def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
                     out += [(m, d, lr, s) for s in wl.seeds[1:]]
         return out
     if phase == "ablation":
+        if "pipeoptim-exact" not in wl.async_runs:
+            return []
         D = max(wl.depths)
         lr = best_lr(wl, rows, "pipeoptim-exact", D)
         return [] if lr is None else [(m, D, lr, s) for m in ABLATION for s in wl.seeds]
@@ -458,7 +520,7 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
         for layer in task.layers:
             inputs.append(h)
             h = StageModule([layer])(*(h if isinstance(h, tuple) else (h,)))
-    variants = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code")
+    variants = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code", "pipeoptim-2bw")
     rows = []
     for D in wl.depths:
         balance = wl.stage_balance(D) or _even(len(task.layers), D)
@@ -468,15 +530,19 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
             for variant in variants:
                 module = StageModule([copy.deepcopy(m) for m in task.layers[starts[k]:starts[k] + balance[k]]])
                 opt = bc.make_optimizer(wl.optimizer, min(wl.lrs), wl.fused_optimizer)(module.parameters())
-                policy = "pipeoptim" if variant == "pipeoptim-code" else variant
-                pol = make_policy(policy, module, opt, update_every=D if variant == "2bw" else 1)
+                policy = "pipeoptim" if variant.startswith("pipeoptim") else variant
+                per_update = D if variant in TWO_BW_VARIANTS else 1
+                pol = make_policy(policy, module, opt, update_every=per_update)
                 s_v = float(D - k) if variant == "pipeoptim-code" else float(s)
                 fo, bo, st = _policy_loop(pol, module, inputs[starts[k]], s_v, float(look), int(s),
-                                          iters=wl.overhead_iters * (D if variant == "2bw" else 1))
+                                          iters=wl.overhead_iters * per_update)
                 pol.close()
                 rows.append({"devices": D, "stage": k, "variant": variant, "s": s_v, "lookahead": look,
                              "forward_overhead_s": fo, "backward_overhead_s": bo, "step_s": st})
     return rows
+
+
+TWO_BW_VARIANTS = ("2bw", "pipeoptim-2bw")   # stage work measured with one update per D micro-batches
 
 
 def _even(layers: int, devices: int) -> list[int]:
@@ -593,7 +659,7 @@ class MeasuredCosts:
             fwd, bwd = self.compute(D, size, linear)
             step = [o[2] for o in over]
             around_f, around_b = [o[0] for o in over], [o[1] for o in over]
-            if schedule in ("interleaved", "bitpipe"):  # 2D stages: half a D-stage's work each
+            if schedule in ("interleaved", "bitpipe", "zbv"):  # 2D stages: half a D-stage's work each
                 fwd, bwd, step = ([v / 2 for v in xs for _ in (0, 1)] for xs in (fwd, bwd, step))
                 around_f, around_b = ([v for v in xs for _ in (0, 1)] for xs in (around_f, around_b))
             costs = SimCosts(forward=tuple(f + o for f, o in zip(fwd, around_f)),
@@ -617,14 +683,25 @@ class MeasuredCosts:
 
 
 # ---- the study ------------------------------------------------------------------------------------------------
-def run_study(wl: Workload, out: str, jobs: int, threads: int) -> None:
+def run_study(wl: Workload, out: str, jobs: int, threads: int, only: tuple[str, ...] = ()) -> None:
+    """Train what is missing of `wl`'s study (resumes); ``only``: of the asynchronous runs, just these (the
+    synchronous one always)."""
+    if only:
+        unknown = sorted(set(only) - set(wl.async_runs))
+        if unknown:
+            raise SystemExit(f"--only {' '.join(unknown)}: not a run of workload {wl.name} "
+                             f"(its runs: {' '.join(wl.async_runs)})")
+        wl = dataclasses.replace(wl, runs=tuple(only))
     if jobs > 2:
         print(f"note: {jobs} processes at once on this shared machine; the study's timings assume at most 2",
               file=sys.stderr)
     os.makedirs(out, exist_ok=True)
     load_or_measure_costs(wl, out)
     path = os.path.join(out, f"time_to_target_{wl.name}_runs.csv")
-    for phase in ("sweep", "seeds", "ablation"):
+    run_missing(wl, plan_runs(wl, read_runs(path), "sweep"), path, jobs, threads)
+    for _ in range(wl.widen):   # one more lr past the edge per round, until every best is bracketed
+        run_missing(wl, plan_runs(wl, read_runs(path), "widen"), path, jobs, threads)
+    for phase in ("seeds", "ablation"):
         run_missing(wl, plan_runs(wl, read_runs(path), phase), path, jobs, threads)
 
 
@@ -674,7 +751,7 @@ def _result(wl, rows, costs, target, name, run, schedule, D, lr=None) -> MethodR
     mine = [r for r in rows if r["method"] == run and r["devices"] == rd]
     if not mine:
         return None
-    sweep = [] if run in ABLATION else [r for r in mine if r["seed"] == wl.seeds[0] and r["lr"] in wl.lrs]
+    sweep = [] if run in ABLATION else sweep_runs(wl, rows, run, rd)
     res = MethodResult(name, D, lr, diverged_sweep=sum(r["diverged"] for r in sweep), sweep_runs=len(sweep))
     try:
         res.time = costs.time_per_update(schedule, D, POLICY_OF_RUN[run])
@@ -845,12 +922,13 @@ def _ablation_table(wl: Workload, results: list[MethodResult]) -> None:
 def _sweep_table(wl: Workload, rows: list[dict]) -> None:
     print(f"\nlearning-rate sweep (seed {wl.seeds[0]}): updates to {wl.targets[0]} (final {wl.metric}); "
           "'div' = diverged, '>U' = not reached in the budget\n")
-    print("| run | D | " + " | ".join(f"lr {lr:g}" for lr in wl.lrs) + " | chosen |")
-    print("|---|---|" + "---|" * len(wl.lrs) + "---|")
-    for run in ("sync",) + ASYNC_RUNS:
+    lrs = sorted(lr for lr in swept_lrs(wl, rows) if any(x["lr"] == lr for x in rows))
+    print("| run | D | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |")
+    print("|---|---|" + "---|" * len(lrs) + "---|")
+    for run in ("sync",) + wl.async_runs:
         for d in run_depths(wl, run):
             cells = []
-            for lr in wl.lrs:
+            for lr in lrs:
                 r = next((x for x in rows if x["method"] == run and x["devices"] == d and x["lr"] == lr
                           and x["seed"] == wl.seeds[0]), None)
                 if r is None:
@@ -916,6 +994,9 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="only print tables and draw pictures from the CSVs")
     ap.add_argument("--jobs", type=int, default=2, help="training runs at once (each one thread); at most 2 here")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", nargs="+", default=(), metavar="RUN",
+                    help="train only these of the workload's asynchronous runs now (the rest later; the report "
+                         "covers every run found)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -932,7 +1013,7 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(names):
         t1 = time.perf_counter()
         if not args.report:
-            run_study(WORKLOADS[name], args.out, args.jobs, args.threads)
+            run_study(WORKLOADS[name], args.out, args.jobs, args.threads, tuple(args.only))
         report(WORKLOADS[name], args.out)
         print(f"{name}: {time.perf_counter() - t1:.0f} s", flush=True)
     print(f"wall time of this command: {time.perf_counter() - t0:.0f} s")

@@ -121,3 +121,40 @@ def test_hf_gpt2_task_evaluates_like_the_unsplit_model_and_ties_its_embeddings(o
             pipe.train_step(task.batch(mb * kw["microbatches"]))
         p = pipe.named_parameters()
         assert torch.equal(p[head], p[embedding]) is tied
+
+
+def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_thread):
+    """Issue 20's candidates: each builds the pipeline it names (schedule, policy, optimizer kind and β1, delay
+    rules and policy options), and the 2BW ones keep the samples per update of every other method."""
+    import torch
+    from pipeoptim.delay import DelayAwareHParams
+    D, window = 2, 4
+    expect = {  # the test's own statement of CANDIDATES
+        "pipeoptim-2bw": ("2bw", "pipeoptim", torch.optim.SGD, 0.9, None),
+        "pipeoptim-2bw-b99": ("2bw", "pipeoptim", torch.optim.SGD, 0.99, None),
+        "nesterov": ("async-1f1b", "stash", torch.optim.NAdam, 0.99, ("pipemare", "nesterov")),
+        "pipeoptim-nadam": ("async-1f1b", "pipeoptim", torch.optim.NAdam, 0.99, ("pipemare", "nesterov")),
+        "stash-dc": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
+    }
+    assert set(expect) == set(bc.CANDIDATES)
+    for method, (schedule, policy, opt_type, beta1, rules) in expect.items():
+        kw, size = bc.method_config(method, D, 8, window)
+        assert (kw["schedule"], kw["policy"]) == (schedule, policy), method
+        assert size == (8 // D if schedule == "2bw" else 8), method
+        assert bc.updates_per_call(kw, D) == (window // D if schedule == "2bw" else window)
+        task = bc.Task("digits", 0)
+        pipe, mb, kw = bc.build_pipeline(method, task, {**TINY, "devices": D}, window)
+        pipe.train_step(task.batch(mb * kw["microbatches"]))
+        for w in pipe.workers:
+            for st in w.stages.values():
+                assert type(st.optimizer) is opt_type, method
+                group = st.optimizer.param_groups[0]
+                got = group["betas"][0] if "betas" in group else group["momentum"]
+                assert got == pytest.approx(beta1), method
+                assert type(st.policy).__name__ == {"pipeoptim": "PipeOptimPolicy", "stash": "StashPolicy"}[policy]
+                assert isinstance(st.scheduler, DelayAwareHParams) == (rules is not None), method
+                if rules:
+                    assert (st.scheduler.rules.lr, st.scheduler.rules.momentum) == rules
+                assert getattr(st.policy, "dc", 0.0) == (1.0 if method == "stash-dc" else 0.0)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        bc.method_config("pipeoptim-2bw", 4, 6, 8)

@@ -188,7 +188,10 @@ def test_quick_study_end_to_end_and_resume(tmp_path, one_thread, capsys, monkeyp
         return max(ok, key=lambda r: float(r["final"]))["lr"]
 
     summary = [r for r in _summary(out) if float(r["target"]) == wl.targets[0]]
-    assert {(r["method"], int(r["devices"])) for r in summary} >= {(m, d) for m in ttt.METHODS for d in wl.depths}
+    trained = ("sync",) + wl.async_runs  # every method the workload trains, each at every depth (candidates of
+    shown = [m for m, (run, _) in ttt.METHODS.items() if run in trained]  # other workloads are not trained here)
+    assert "zbv" in shown and {(r["method"], int(r["devices"])) for r in summary} >= {(m, d) for m in shown
+                                                                                      for d in wl.depths}
     for s in summary:
         run = ttt.METHODS.get(s["method"], (s["method"],))[0]
         rd = 0 if run == "sync" else int(s["devices"])
@@ -350,3 +353,57 @@ def test_suite_runs_every_workload_once_in_order(monkeypatch, capsys, tmp_path):
     done.clear()
     assert ttt.main(["--workload", "digits", "--report", "--out", str(tmp_path)]) == 0
     assert done == [("report", "digits")]
+
+
+def _row(method, devices, lr, final, seed=0, diverged=False):
+    curve = [(0, 5.0), (32, float("nan") if diverged else final)]
+    return {"method": method, "devices": devices, "lr": lr, "seed": seed, "diverged": diverged,
+            "final": float("nan") if diverged else final, "curve": curve}
+
+
+def test_sweep_is_widened_past_an_edge_that_holds_the_best_until_bracketed():
+    wl = dataclasses.replace(ttt.WORKLOADS["gpt16"], lrs=(5e-4, 1e-3, 2e-3), widen=2, targets=(0.0,))
+    # none reaches target 0.0: the best is the lowest final loss
+    rows = [_row("stash", 4, 5e-4, 3.0), _row("stash", 4, 1e-3, 2.9), _row("stash", 4, 2e-3, 2.8)]
+    assert ttt.widen_sweep(wl, rows, "stash", 4) == pytest.approx(4e-3)          # best at the top edge
+    rows.append(_row("stash", 4, 4e-3, 2.7))
+    assert ttt.widen_sweep(wl, rows, "stash", 4) == pytest.approx(8e-3)          # still the edge: once more
+    rows.append(_row("stash", 4, 8e-3, 2.6))
+    assert ttt.widen_sweep(wl, rows, "stash", 4) is None                         # widened twice: no further
+    low = [_row("sync", 0, 5e-4, 2.5), _row("sync", 0, 1e-3, 2.6), _row("sync", 0, 2e-3, None, diverged=True)]
+    assert ttt.widen_sweep(wl, low, "sync", 0) == pytest.approx(2.5e-4)          # best at the bottom edge
+    low.append(_row("sync", 0, 2.5e-4, 2.55))
+    assert ttt.widen_sweep(wl, low, "sync", 0) is None and ttt.best_lr(wl, low, "sync", 0) == 5e-4  # bracketed
+    assert ttt.widen_sweep(wl, [_row("2bw", 4, 1e-3, 2.0)], "2bw", 4) is None    # one lr: nothing to bracket
+    # runs at lrs outside the (widened) sweep, or of other seeds, do not count
+    stray = rows + [_row("stash", 4, 3e-3, 1.0), _row("stash", 4, 5e-4, 1.0, seed=1)]
+    assert ttt.best_lr(wl, stray, "stash", 4) == pytest.approx(8e-3)
+    planned = ttt.plan_runs(wl, [_row("sync", 0, lr, f) for lr, f in ((5e-4, 3), (1e-3, 2), (2e-3, 1))], "widen")
+    assert planned == [("sync", 0, pytest.approx(4e-3), 0)]
+
+
+def test_warmup_ramps_every_methods_lr_linearly_then_holds_it():
+    import torch
+    wl = dataclasses.replace(ttt.WORKLOADS["gpt16"], warmup=4)
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=0.8)
+    sched = wl.lr_scheduler()(opt)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([0.2, 0.4, 0.6, 0.8, 0.8, 0.8])
+    assert ttt.WORKLOADS["gpt16"].lr_scheduler() is None     # the section-6 study had none
+
+
+def test_only_restricts_the_asynchronous_runs_trained(tmp_path, monkeypatch):
+    wl = ttt.WORKLOADS["gpt16-async"]
+    with pytest.raises(SystemExit, match="not a run of workload gpt16-async"):
+        ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, only=("spectrain",))
+    planned = []
+    monkeypatch.setattr(ttt, "load_or_measure_costs", lambda *a, **k: None)
+    monkeypatch.setattr(ttt, "run_missing", lambda w, todo, *a: planned.extend(todo))
+    ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, only=("pipeoptim-2bw",))
+    assert {m for m, *_ in planned} == {"sync", "pipeoptim-2bw"}
+    assert {d for m, d, *_ in planned if m == "pipeoptim-2bw"} == set(wl.depths)
