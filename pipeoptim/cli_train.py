@@ -75,12 +75,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
                    help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
                         "none for synchronous schedules)")
+    p.add_argument("--recipe", choices=recipe_names(), default=None,
+                   help="a measured asynchronous configuration by name (pipeoptim.recipes): it sets --schedule, "
+                        "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules it uses); a flag you also "
+                        "give must agree with it. async-transformer: PipeOptim on 2BW, AdamW, for Transformers")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "
                         "(--lr) on 2-D weights beside AdamW (lr 1e-3) on the rest, predicted with --predict-from "
                         "last_update")
     p.add_argument("--momentum", type=float, default=None,
                    help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
+    p.add_argument("--weight-decay", type=_non_negative_float, default=None,
+                   help="decoupled weight decay of adamw/nadam/muon (default: 0.01)")
     p.add_argument("--dc", type=_non_negative_float, default=0.0,
                    help="--policy stash: DC-ASGD's delay compensation λ, g + λ·g⊙g⊙(w_now − w_stash) (0: off)")
     p.add_argument("--predict-from", choices=("optimizer", "last_update"), default="optimizer",
@@ -128,7 +134,35 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--emulate", action="store_true", help="run every stage in this process")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the data order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(_flag_defaults={dest: p.get_default(dest) for dest in RECIPE_FLAGS})
     return p
+
+
+def recipe_names() -> list[str]:
+    from .recipes import names  # no torch
+    return names()
+
+
+# the flags a recipe may set, as they are spelled on the command line
+RECIPE_FLAGS = {"schedule": "--schedule", "policy": "--policy", "optimizer": "--optimizer", "momentum": "--momentum",
+                "weight_decay": "--weight-decay", "delay_lr": "--delay-lr", "delay_momentum": "--delay-momentum", "delay_warmup": "--delay-warmup"}
+
+
+def apply_recipe(args) -> None:
+    """Set the flags `--recipe` names; a flag the user gave with another value is an error, never overridden."""
+    if not getattr(args, "recipe", None):
+        return
+    from .recipes import get
+    from .runtime.plan import ConfigError
+    recipe = get(args.recipe)
+    defaults = getattr(args, "_flag_defaults", {})
+    for dest, value in recipe.cli_flags().items():
+        given = getattr(args, dest)
+        if given != defaults.get(dest) and given != value:
+            raise ConfigError(f"--recipe {recipe.name} sets {RECIPE_FLAGS[dest]} {value} but you gave "
+                              f"{RECIPE_FLAGS[dest]} {given}; drop one of the two (pipeoptim.recipes says what the "
+                              "recipe was measured with)")
+        setattr(args, dest, value)
 
 
 def _positive_int(text: str) -> int:
@@ -177,6 +211,7 @@ def _updates_per_window(schedule: str, stages: int, microbatches: int) -> int:
 def _config(args) -> dict:
     from .runtime.config import check_policy, make_schedule
     from .runtime.plan import Plan
+    apply_recipe(args)
     d, h, L, T = SIZES[args.model]
     sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
     policy = check_policy(sched, args.policy)
@@ -278,17 +313,18 @@ def _optimizer(cfg):
     name, lr = cfg["optimizer"], cfg["lr"]
     m = cfg.get("momentum")
     b1 = 0.9 if m is None else m
+    wd = 0.01 if cfg.get("weight_decay") is None else cfg["weight_decay"]
     if name == "adamw":
-        return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01)
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, 0.999), weight_decay=wd)
     if name == "adam":
         return lambda ps: torch.optim.Adam(ps, lr=lr, betas=(b1, 0.999))
     if name == "nadam":
-        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(b1, 0.999), weight_decay=0.01,
+        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(b1, 0.999), weight_decay=wd,
                                             decoupled_weight_decay=True)
     if name == "muon":
         from .optim import muon_and_adamw
         return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
-                              adamw_weight_decay=0.01)
+                              adamw_weight_decay=wd)
     if name == "sgd":
         return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=b1)
     return lambda ps: torch.optim.RMSprop(ps, lr=lr)

@@ -1,0 +1,104 @@
+"""Named asynchronous configurations, each the one a measured study found to train a given kind of model.
+
+Asynchronous pipelines are judged by the loss they reach, and which combination of schedule, weight policy and
+optimizer trains a Transformer is not something a user should have to rediscover: benchmarks/RESULTS.md §6.6
+screened the candidates on a 16-block GPT (3 seeds, each method at its own best lr, a warm-up) and this module
+ships the result by name, so that
+
+    from pipeoptim import recipes
+    r = recipes.get("async-transformer")
+    pipe = Pipeline(layers, loss_fn=..., devices=8, microbatches=16, **r.pipeline_kwargs(lr=1e-3))
+
+    pipeoptim train --recipe async-transformer --lr 1e-3 ...
+
+run what was measured: the schedule and weight policy, the optimizer with its β1 and weight decay, the delay rules
+(if any), and a linear lr warm-up over `warmup` updates (``pipeline_kwargs(..., lr_scheduler=False)`` leaves the lr
+schedule to the caller). A recipe is a set of defaults, not a wrapper: everything it sets is an ordinary
+``Pipeline`` argument or CLI flag, listed by ``describe()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Recipe", "RECIPES", "get", "names"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    schedule: str
+    policy: str
+    optimizer: str                  # "adamw" or "nadam" (decoupled weight decay)
+    beta1: float
+    weight_decay: float
+    warmup: int                     # updates of linear lr warm-up
+    evidence: str                   # what was measured, and where
+    avoid: str                      # what not to use instead, and why (measured)
+    policy_options: dict = field(default_factory=dict)
+    delay_hparams: dict | None = None
+
+    def optimizer_factory(self, lr: float) -> Callable:
+        """``Pipeline(optimizer=...)``: the recipe's optimizer at learning rate `lr`."""
+        import torch
+        if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
+            raise ValueError(f"recipe {self.name!r}: lr must be a positive number, got {lr!r}")
+        betas = (self.beta1, 0.999)
+        if self.optimizer == "adamw":
+            return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, weight_decay=self.weight_decay)
+        return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=betas, weight_decay=self.weight_decay,
+                                            decoupled_weight_decay=True)
+
+    def lr_scheduler(self) -> Callable:
+        """``Pipeline(lr_scheduler=...)``: a linear warm-up over `warmup` updates, then the lr held."""
+        import torch
+        warmup = max(1, self.warmup)
+        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup))
+
+    def pipeline_kwargs(self, lr: float, *, lr_scheduler: bool = True) -> dict:
+        """Keyword arguments for ``Pipeline``: schedule, policy, policy_options, optimizer, delay_hparams and (with
+        ``lr_scheduler=True``) the warm-up. Pass the model, loss, devices and micro-batches yourself."""
+        kw = dict(schedule=self.schedule, policy=self.policy, policy_options=dict(self.policy_options),
+                  optimizer=self.optimizer_factory(lr), delay_hparams=self.delay_hparams)
+        if lr_scheduler:
+            kw["lr_scheduler"] = self.lr_scheduler()
+        return kw
+
+    def cli_flags(self) -> dict[str, object]:
+        """The ``pipeoptim train`` flags the recipe sets (argparse destinations -> values)."""
+        flags = {"schedule": self.schedule, "policy": self.policy, "optimizer": self.optimizer,
+                 "momentum": self.beta1, "weight_decay": self.weight_decay}
+        if self.delay_hparams:
+            flags.update({"delay_lr": self.delay_hparams.get("lr", "none"),
+                          "delay_momentum": self.delay_hparams.get("momentum", "none"),
+                          "delay_warmup": self.delay_hparams.get("warmup", 0)})
+        return flags
+
+    def describe(self) -> str:
+        delay = "" if not self.delay_hparams else f", delay rules {self.delay_hparams}"
+        return (f"{self.name}: schedule {self.schedule}, policy {self.policy}{'' if not self.policy_options else ' ' + str(self.policy_options)}, "
+                f"{self.optimizer} β1 {self.beta1:g} weight decay {self.weight_decay:g}{delay}, linear lr warm-up "
+                f"over {self.warmup} updates. Evidence: {self.evidence} Avoid: {self.avoid}")
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe(
+        name="async-transformer",
+        schedule="2bw", policy="pipeoptim", optimizer="adamw", beta1=0.9, weight_decay=0.1, warmup=64,
+        evidence="gpt16 (16 blocks, AdamW, 16 samples per update) at D = 4, 8, 16: benchmarks/RESULTS.md §6.6.",
+        avoid="asynchronous 1F1B (stash, PipeOptim, SpecTrain, naive) on Transformers: every update of stage k "
+              "is D-k-1 updates stale and the runs stall near the unigram loss (RESULTS.md §6.6).",
+    ),
+]}
+
+
+def names() -> list[str]:
+    return sorted(RECIPES)
+
+
+def get(name: str) -> Recipe:
+    """The recipe called `name`; a clear error naming the known ones otherwise."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(names())} (pipeoptim.recipes)") from None

@@ -1,0 +1,73 @@
+"""pipeoptim.recipes: a named recipe builds the Pipeline it describes, and `pipeoptim train --recipe` sets the flags
+it names without overriding a flag the user gave."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from pipeoptim import recipes
+from pipeoptim.cli_train import _optimizer, add_arguments, apply_recipe
+from pipeoptim.runtime.plan import ConfigError
+from pipeoptim.train import Pipeline
+
+
+def test_unknown_recipe_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown recipe 'fast'; known: async-transformer"):
+        recipes.get("fast")
+
+
+def test_every_recipe_builds_its_pipeline_and_warms_the_lr_up(one_thread):
+    for name in recipes.names():
+        r = recipes.get(name)
+        torch.manual_seed(0)
+        layers = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)]
+        lr = 0.01
+        pipe = Pipeline(layers, loss_fn=nn.functional.mse_loss, devices=2, microbatches=4, emulate=True,
+                        **r.pipeline_kwargs(lr=lr))
+        assert (pipe.schedule.name, pipe.policy_name) == (r.schedule, r.policy)
+        seen = []
+        for _ in range(3):
+            pipe.train_step((torch.randn(8, 6), torch.randn(8, 6)))
+            st = pipe.workers[0].stages[next(iter(pipe.workers[0].stages))]
+            group = st.optimizer.param_groups[0]
+            seen.append(group["lr"])
+        assert type(st.optimizer).__name__ == {"adamw": "AdamW", "nadam": "NAdam"}[r.optimizer]
+        assert group["betas"][0] == r.beta1 and group["weight_decay"] == r.weight_decay
+        # linear warm-up: after u updates the lr is lr * min(1, (u + 1) / warmup), rising
+        assert all(a < b for a, b in zip(seen, seen[1:])) and seen[-1] <= lr
+        assert "lr_scheduler" not in r.pipeline_kwargs(lr=lr, lr_scheduler=False)
+        with pytest.raises(ValueError, match="lr must be a positive number"):
+            r.optimizer_factory(0.0)
+
+
+def _args(*argv):
+    p = add_arguments(argparse.ArgumentParser())
+    return p.parse_args(list(argv))
+
+
+def test_cli_recipe_sets_its_flags_and_refuses_a_contradicting_one():
+    r = recipes.get("async-transformer")
+    args = _args("--recipe", "async-transformer")
+    apply_recipe(args)
+    assert (args.schedule, args.policy, args.optimizer, args.momentum, args.weight_decay) == \
+        (r.schedule, r.policy, r.optimizer, r.beta1, r.weight_decay)
+    same = _args("--recipe", "async-transformer", "--schedule", r.schedule)
+    apply_recipe(same)           # agreeing with the recipe is fine
+    assert same.schedule == r.schedule
+    with pytest.raises(ConfigError, match="--recipe async-transformer sets --schedule 2bw but you gave --schedule gpipe"):
+        apply_recipe(_args("--recipe", "async-transformer", "--schedule", "gpipe"))
+    with pytest.raises(ConfigError, match="sets --weight-decay"):
+        apply_recipe(_args("--recipe", "async-transformer", "--weight-decay", "0"))
+    plain = _args()
+    apply_recipe(plain)          # no recipe: nothing changes
+    assert plain.schedule == "async-1f1b" and plain.weight_decay is None
+
+
+def test_cli_weight_decay_reaches_the_optimizer():
+    w = [nn.Parameter(torch.zeros(2, 2))]
+    for name in ("adamw", "nadam"):
+        assert _optimizer({"optimizer": name, "lr": 1e-3})(w).param_groups[0]["weight_decay"] == 0.01
+        assert _optimizer({"optimizer": name, "lr": 1e-3, "weight_decay": 0.1})(w).param_groups[0]["weight_decay"] == 0.1
