@@ -56,6 +56,7 @@ from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
 from .runtime.config import check_policy, make_schedule, stages_for
+from .runtime.data_parallel import check_dp, devices_per_replica
 from .runtime.emulator import Emulator
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
@@ -163,6 +164,7 @@ class Pipeline:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
+        dp = check_dp(dp, emulate)
         if layers is not None:
             layers = as_layers(layers)
         self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
@@ -181,8 +183,7 @@ class Pipeline:
                 if watchdog_s is not None:
                     self._watch.timeout_s = watchdog_s
                 self._watch.working(BUILDING)
-            if devices is None:
-                devices = ctx.world_size // dp
+            devices = devices_per_replica(ctx.world_size, dp, devices)
         if devices is None:
             raise ConfigError("emulate=True needs devices= (how many pipeline devices to emulate)")
         sched_opts = dict(schedule_options or {})
@@ -209,7 +210,8 @@ class Pipeline:
         else:
             self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
             cut = ModelCut.from_layers(layers, self.balance)
-        self.devices = devices
+        self.devices, self.dp = devices, dp
+        self.dp_rank = 0 if emulate else ctx.rank // devices  # this rank's pipeline replica (data_parallel)
         local = range(devices) if emulate else [ctx.rank % devices]
         gparams = cut.global_params(need_all=bool(tied or copies))
         self.tied = check_ties(tied, self.schedule, gparams)
@@ -247,7 +249,7 @@ class Pipeline:
         else:
             if self._watch is not None:  # creating its process groups waits for every rank
                 self._watch.doing(BUILT, COLLECTIVE)
-            self._runner = Executor(self.plan, self.workers[0], dp_rank=ctx.rank // devices, dp_size=dp,
+            self._runner = Executor(self.plan, self.workers[0], dp_rank=self.dp_rank, dp_size=dp,
                                     device=tdev, watch=ctx.watch)
         self.device = tdev
         self.last_stats: dict = {}
