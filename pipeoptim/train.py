@@ -187,6 +187,8 @@ class Pipeline:
         if devices is None:
             raise ConfigError("emulate=True needs devices= (how many pipeline devices to emulate)")
         sched_opts = dict(schedule_options or {})
+        if dp > 1:  # the replicas' gradient all-reduces as actions of the schedule (pipeoptim schedule --data-parallel)
+            sched_opts.setdefault("data_parallel", True)
         n_stages = stages_for(schedule, devices, sched_opts.get("chunks", 2))
         self.schedule = make_schedule(schedule, devices, microbatches, **sched_opts)
         self.policy_name = check_policy(self.schedule, policy)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pipeoptim.runtime import launch
-from pipeoptim.runtime.plan import ConfigError
+from pipeoptim.schedules.actions import Sync
 
 D, DP, N, B, WIDTH, STEPS = 4, 2, 4, 8, 8, 3  # B rows per replica per step: micro-batches of 2 rows
 CLIP = 0.02  # well below the gradient norms here (asserted), so clipping acts on every step
@@ -55,6 +55,11 @@ CASES = {
     "async-pipeoptim": ("async-1f1b", "pipeoptim", 4, {}),
     "async-stash-clip": ("async-1f1b", "stash", 4, dict(clip_norm=CLIP)),
     "1f1b-nan": ("1f1b", None, 4, dict(on_nonfinite="skip")),
+    # the executor's own averaging at the step, for schedules built without the data-parallel syncs
+    "bitpipe-tied-clip-at-step": ("bitpipe", None, 8, dict(tied=[("0.lin.weight", "7.lin.weight")], clip_norm=CLIP,
+                                                          schedule_options=dict(data_parallel=False))),
+    "async-stash-clip-at-step": ("async-1f1b", "stash", 4, dict(clip_norm=CLIP,
+                                                                schedule_options=dict(data_parallel=False))),
 }
 SYNC = [k for k, c in CASES.items() if not c[0].startswith("async")]
 ASYNC = [k for k, c in CASES.items() if c[0].startswith("async")]
@@ -92,7 +97,8 @@ def dp_job(names):
             norms.append(pipe.last_stats["grad_norm"])
             skipped.append(pipe.last_stats["nonfinite"])
         out.append({"params": {k: v.detach().clone() for k, v in pipe.named_parameters().items()},
-                    "losses": losses, "norms": norms, "skipped": skipped, "dp_rank": pipe.dp_rank})
+                    "losses": losses, "norms": norms, "skipped": skipped, "dp_rank": pipe.dp_rank,
+                    "dp_syncs": sum(isinstance(a, Sync) and a.dp for a in pipe.plan.actions[pipe.workers[0].device])})
     return out
 
 
@@ -150,16 +156,32 @@ def test_dp2_x_4_stages_equals_one_pipeline_on_the_doubled_batch(name, dp_result
     assert ranks[0]["skipped"] == skipped
     if name in SYNC:
         assert ranks[0]["norms"] == pytest.approx(norms, rel=1e-5, nan_ok=True)
-    if "clip" in name and name in SYNC:
+    if "-clip" in name and name in SYNC:
         assert min(norms) > 2 * CLIP  # clipping did act, so the norm had to be the whole pipeline's
+    at_step = name.endswith("-at-step")  # else the schedule holds the replicas' all-reduces (with_data_parallel)
+    assert all((r["dp_syncs"] == 0) == at_step for r in ranks)
     if name.endswith("-nan"):
         assert skipped == [0, D, 0]  # one skipped update per stage, not one per stage and replica
 
 
 def test_tied_copies_stay_equal_under_dp(dp_results):
     for name, (a, b) in [("1f1b-tied-clip", ("0.lin.weight", "3.lin.weight")),
-                         ("bitpipe-tied-clip", ("0.lin.weight", "7.lin.weight"))]:
+                         ("bitpipe-tied-clip", ("0.lin.weight", "7.lin.weight")),
+                         ("bitpipe-tied-clip-at-step", ("0.lin.weight", "7.lin.weight"))]:
         got = {}
         for r in dp_results[name]:
             got.update(r["params"])
         assert torch.equal(got[a], got[b]), name
+
+
+def test_data_parallel_syncs_of_a_single_replica_change_nothing(one_thread):
+    # Pipeline(dp=2) builds its schedule with_data_parallel; for one replica those Syncs are no-ops
+    from pipeoptim.train import Pipeline
+    schedule, _, n, kw = CASES["bitpipe-tied-clip"]
+    plain, synced = (Pipeline(blocks(n), loss_fn=mse, optimizer=sgd, schedule=schedule, microbatches=N, devices=D,
+                              emulate=True, schedule_options=dict(data_parallel=dp), **kw) for dp in (False, True))
+    assert any(a.dp for row in synced.plan.actions for a in row if isinstance(a, Sync))
+    for step in range(2):
+        assert plain.train_step(global_batch(step, "")) == synced.train_step(global_batch(step, ""))
+    for k, v in plain.named_parameters().items():
+        assert torch.equal(v, synced.named_parameters()[k]), k

@@ -5,12 +5,14 @@
   the output is posted at once to its consumer (``dataflow.output_transfer``). A split backward's ``I`` moves
   data like a backward; its ``W`` has no input and no output.
 - ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
-  devices; with ``dp`` it also spans the data-parallel copies. Losses are scaled so that the sum is the mean
-  over the iteration's micro-batches.
-- ``Step``: with data parallelism (``data_parallel``) gradients are first averaged over the replicas: a
-  synchronous schedule averages every local chunk at its first ``Step`` (all of them, so the tie sums and the
-  norm below read averaged gradients on every replica), an asynchronous one each chunk at its own ``Step``.
-  Synchronous schedules then sum the gradients of tied parameters over their copies (``tied``) and compute
+  devices; with ``dp`` it also spans the data-parallel copies and divides by their number (a sum over mirror
+  copies, a mean over replicas); listing no devices, it is that mean alone (``Pipeline(dp=...)`` builds its
+  schedule ``with_data_parallel``). Losses are scaled so that the sum is the mean over the iteration's
+  micro-batches.
+- ``Step``: with data parallelism, gradients that no ``Sync`` averaged over the replicas (a schedule built
+  without ``data_parallel``) are averaged here: a synchronous schedule averages every such local chunk at its
+  first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
+  an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied parameters over their copies (``tied``) and compute
   the global gradient norm over the whole pipeline (one all-reduce of a scalar; each stage counted once) for
   clipping and reporting. Asynchronous schedules clip per stage: the last stage must step before stage 0 has
   the micro-batch's gradient, so the pipeline-wide norm of that micro-batch does not exist yet.
@@ -72,6 +74,9 @@ class Groups:
                     self.dp = g
         self.sync: dict[tuple, object] = {}
         for devs in plan.sync_device_sets:
+            if not devs:  # a data-parallel-only Sync (``with_data_parallel``): this device's replicas, or nobody
+                self.sync[(devs, True)] = self.dp
+                continue
             for q in range(dp_size):
                 g = dist.new_group([rank_of(q, d) for d in devs])
                 if q == dp_rank and pp_rank in devs:
@@ -133,8 +138,9 @@ class Executor:
                     doing(action, COLLECTIVE)
                     group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
                     bufs = w.sync_buffers(action.stages)
-                    for b in bufs:
-                        dist.all_reduce(b, group=group)
+                    if group is not None:  # None: a data-parallel-only Sync of a single replica
+                        for b in bufs:
+                            dist.all_reduce(b, group=group)
                     if action.dp:
                         self._dp_done.update(action.stages)
                         for b in bufs:
