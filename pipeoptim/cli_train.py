@@ -7,8 +7,9 @@ checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final
 ``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
 per stage. ``--dp 2`` runs two data-parallel replicas of the pipeline (``--stages`` x ``--dp`` processes): each
 window draws ``dp`` x the batch and replica q trains on its q-th share (``runtime.data_parallel``), so a window
-sees ``dp`` times the rows and, for a synchronous schedule, updates as one pipeline on that doubled batch. ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
-init, nothing downloaded) on the meta device, each rank materialising only its own stages
+sees ``dp`` times the rows and, for a synchronous schedule, updates as one pipeline on that doubled batch.
+``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random init, nothing
+downloaded) on the meta device, each rank materialising only its own stages
 (``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each

@@ -13,6 +13,11 @@ name; call ``train_step(batch)`` on every rank.
 - Large models: build the model on the ``meta`` device; each process materialises and initialises only the
   layers of its own stages, deterministically from ``seed`` and each layer's global name (``init_fn(layer)``
   or the submodules' ``reset_parameters``; see ``materialize``). Real layers are trained in place, not copied.
+- ``dp=2``: two data-parallel replicas of the pipeline in a job of ``dp x devices`` ranks (rank = replica x
+  devices + pipeline device); each rank passes its replica's own batch (``runtime.data_parallel.replica_rows``)
+  and the replicas average their gradients (synchronous: the update of one pipeline on their batches
+  concatenated; asynchronous: each stage's step averages that step's gradient over the replicas). The loss
+  returned is the mean over every replica's micro-batches (``runtime.data_parallel`` says it all).
 - ``emulate=True`` runs every device in this process (``runtime.Emulator``) on ``device`` ('cpu' or 'cuda':
   all stages on that one device); otherwise this process is one rank of a torch.distributed job (torchrun
   or ``runtime.launch``) and builds only its own chunks.

@@ -7,11 +7,16 @@ are replica 0, the next ``devices`` replica 1, ...); on one node of 8 GPUs with 
 4 neighbouring GPUs. Every rank calls ``train_step`` with its replica's own batch (all ranks of a replica pass
 the same one; ``replica_rows`` cuts it from a global batch), so one step trains on ``dp`` times the rows.
 
-- Synchronous schedules: before the first optimizer step of the iteration every chunk's gradient is averaged
-  over the replicas (after BitPipe's and Chimera's mirror sums: their mirror all-reduce then spans the replicas
-  too), then tied weights are summed over their copies and the global norm is taken. So the update is that of
-  ONE pipeline on the replicas' batches concatenated (equal batch sizes: the mean loss over ``dp x B`` rows is
-  the average of the replicas' means), clipping included (tests/test_runtime_dp.py).
+- The averages are actions of the schedule: ``Pipeline(dp>1)`` builds it ``with_data_parallel`` (what
+  ``pipeoptim schedule NAME --data-parallel`` draws and simulates). A ``Sync`` of the replicas sums the gradient
+  over them and divides by ``dp``; the executor averages at the step whatever no ``Sync`` covered (a schedule
+  built with ``schedule_options=dict(data_parallel=False)``), with the same result.
+- Synchronous schedules: each chunk's gradient is averaged over the replicas after its last backward (BitPipe's
+  and Chimera's mirror all-reduce widens to mirror and replicas at once: a sum over the two mirror copies, a
+  mean over the replicas); at the first step tied weights are summed over their copies and the global norm is
+  taken. So the update is that of ONE pipeline on the replicas' batches concatenated (equal batch sizes: the
+  mean loss over ``dp x B`` rows is the average of the replicas' means), clipping included
+  (tests/test_runtime_dp.py).
 - Asynchronous schedules: each stage's optimizer step averages that stage's gradient over the replicas at the
   same step index, i.e. the gradient of the same micro-batch index j in every replica. Replicas stay
   bit-identical, so their predictions agree; the update equals one pipeline whose micro-batch j holds every

@@ -12,13 +12,14 @@
 - ``Step``: with data parallelism, gradients that no ``Sync`` averaged over the replicas (a schedule built
   without ``data_parallel``) are averaged here: a synchronous schedule averages every such local chunk at its
   first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
-  an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied parameters over their copies (``tied``) and compute
-  the global gradient norm over the whole pipeline (one all-reduce of a scalar; each stage counted once) for
-  clipping and reporting. Asynchronous schedules clip per stage: the last stage must step before stage 0 has
+  an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied
+  parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (one
+  all-reduce of a scalar; each stage counted once) for clipping and reporting. Asynchronous schedules clip per stage: the last stage must step before stage 0 has
   the micro-batch's gradient, so the pipeline-wide norm of that micro-batch does not exist yet.
 - A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
   decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
-  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step.
+  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step; the
+  replicas skip the same updates (their gradients are averaged first), which count once.
 - Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
   every rank (``faults``). Each action, each wait for a peer and each collective is announced to the rank's
   watchdog (``watchdog``), which ends a job that stops making progress, naming who holds it up.
