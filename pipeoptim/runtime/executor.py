@@ -14,8 +14,9 @@
   first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
   an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied
   parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (one
-  all-reduce of a scalar; each stage counted once) for clipping and reporting. Asynchronous schedules clip per stage: the last stage must step before stage 0 has
-  the micro-batch's gradient, so the pipeline-wide norm of that micro-batch does not exist yet.
+  all-reduce of a scalar; each stage counted once) for clipping and reporting. Asynchronous schedules clip
+  per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the pipeline-wide
+  norm of that micro-batch does not exist yet.
 - A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
   decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
   rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step; the
