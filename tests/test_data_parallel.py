@@ -69,3 +69,16 @@ def test_replica_rows_are_contiguous_equal_shares():
         replica_rows((x, y), 0, 4)
     with pytest.raises(ValueError, match="dp_rank 2 is not a replica of dp=2"):
         replica_rows((x, y), 2, 2)
+
+
+@pytest.mark.parametrize("name", ["async-1f1b", "2bw", "bitpipe"])
+def test_the_replicas_syncs_change_no_version_difference(name):
+    # Pipeline(dp>1) runs the schedule with_data_parallel: the weight policies must read the same s from it
+    from pipeoptim.runtime.config import make_schedule
+    from pipeoptim.runtime.plan import Plan
+    from pipeoptim.schedules.actions import Forward, Sync
+    plain, synced = (Plan(make_schedule(name, 4, 8, data_parallel=dp)) for dp in (False, True))
+    assert any(isinstance(a, Sync) and a.dp for row in synced.actions for a in row)
+    forwards = [op for row in plain.actions for op in row if isinstance(op, Forward)]
+    assert [plain.s_forward(op) for op in forwards] == [synced.s_forward(op) for op in forwards]
+    assert plain.s_backward == synced.s_backward and plain.loss_scale == synced.loss_scale
