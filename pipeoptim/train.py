@@ -339,7 +339,8 @@ class Pipeline:
 
     def train_step(self, batch) -> float:
         """One iteration of the schedule on ``batch`` (split into micro-batches); returns the mean loss, the
-        same on every rank. ``last_stats`` also has the global gradient norm and the bubble fraction."""
+        same on every rank (with ``dp``: over every replica's micro-batches, each replica passing its own
+        batch). ``last_stats`` also has the global gradient norm and the bubble fraction."""
         mi, mt = self._split(batch)
         self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
         self.step_count += 1
