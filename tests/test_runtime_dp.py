@@ -1,10 +1,10 @@
 """Data x pipeline parallel (``Pipeline(dp=2)``), proven: 2 pipeline replicas x 4 stages as 8 gloo processes
 against one emulated pipeline of 4 devices (``runtime.data_parallel`` documents the semantics).
 
-- Synchronous schedules (1F1B, Chimera and BitPipe with their mirror all-reduces, tied weights across stages and
-  within a device, global-norm clipping): the weights, the global gradient norm and the loss after each step
+- Synchronous schedules (1F1B, interleaved, Chimera and BitPipe with their mirror all-reduces, tied weights across
+  stages and within a device, global-norm clipping): the weights, the global gradient norm and the loss after each step
   equal those of ONE pipeline trained on the replicas' batches concatenated (replica q's rows q*B..(q+1)*B-1).
-- Asynchronous schedules (async 1F1B under PipeOptim and under weight stashing): every stage's step averages
+- Asynchronous schedules (async 1F1B under PipeOptim and under weight stashing, PipeDream-2BW): every stage's step averages
   that stage's gradient over the replicas at the same step index, so the weights equal one pipeline whose
   micro-batch j holds both replicas' micro-batch j (mean loss over 2b rows = the average of two means over b).
 - Every replica holds bit-identical weights after every step, and every rank returns the same loss.
@@ -52,7 +52,9 @@ CASES = {
     "1f1b-tied-clip": ("1f1b", None, 4, dict(tied=[("0.lin.weight", "3.lin.weight")], clip_norm=CLIP)),
     "chimera-clip": ("chimera", None, 4, dict(clip_norm=CLIP)),
     "bitpipe-tied-clip": ("bitpipe", None, 8, dict(tied=[("0.lin.weight", "7.lin.weight")], clip_norm=CLIP)),
+    "interleaved-clip": ("interleaved", None, 8, dict(clip_norm=CLIP)),  # two chunks per device, no mirror
     "async-pipeoptim": ("async-1f1b", "pipeoptim", 4, {}),
+    "2bw": ("2bw", "2bw", 4, {}),  # a step every 4 backwards: the accumulated gradient is averaged
     "async-stash-clip": ("async-1f1b", "stash", 4, dict(clip_norm=CLIP)),
     "1f1b-nan": ("1f1b", None, 4, dict(on_nonfinite="skip")),
     # the executor's own averaging at the step, for schedules built without the data-parallel syncs
@@ -61,8 +63,8 @@ CASES = {
     "async-stash-clip-at-step": ("async-1f1b", "stash", 4, dict(clip_norm=CLIP,
                                                                 schedule_options=dict(data_parallel=False))),
 }
-SYNC = [k for k, c in CASES.items() if not c[0].startswith("async")]
-ASYNC = [k for k, c in CASES.items() if c[0].startswith("async")]
+ASYNC = [k for k, c in CASES.items() if c[0] in ("async-1f1b", "2bw")]
+SYNC = [k for k in CASES if k not in ASYNC]
 
 
 def global_batch(step: int, name: str):
@@ -102,7 +104,7 @@ def dp_job(names):
     return out
 
 
-def interleaved(batch):
+def paired_microbatches(batch):
     """The single pipeline's batch whose micro-batch j is (replica 0's micro-batch j, replica 1's)."""
     x, y = batch
     order = torch.arange(DP * B).view(DP, N, B // N).transpose(0, 1).reshape(-1)
@@ -110,7 +112,7 @@ def interleaved(batch):
 
 
 def reference(name: str):
-    """One emulated pipeline of D devices on the global batches (interleaved per micro-batch for async)."""
+    """One emulated pipeline of D devices on the global batches (paired per micro-batch for async)."""
     import warnings
     pipe = pipeline(name, emulate=True)
     losses, norms, skipped = [], [], []
@@ -118,7 +120,7 @@ def reference(name: str):
         batch = global_batch(step, name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            losses.append(pipe.train_step(interleaved(batch) if name in ASYNC else batch))
+            losses.append(pipe.train_step(paired_microbatches(batch) if name in ASYNC else batch))
         norms.append(pipe.last_stats["grad_norm"])
         skipped.append(pipe.last_stats["nonfinite"])
     return {k: v.detach().clone() for k, v in pipe.named_parameters().items()}, losses, norms, skipped
