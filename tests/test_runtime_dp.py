@@ -2,14 +2,17 @@
 against one emulated pipeline of 4 devices (``runtime.data_parallel`` documents the semantics).
 
 - Synchronous schedules (1F1B, interleaved, Chimera and BitPipe with their mirror all-reduces, tied weights across
-  stages and within a device, global-norm clipping): the weights, the global gradient norm and the loss after each step
-  equal those of ONE pipeline trained on the replicas' batches concatenated (replica q's rows q*B..(q+1)*B-1).
-- Asynchronous schedules (async 1F1B under PipeOptim and under weight stashing, PipeDream-2BW): every stage's step averages
-  that stage's gradient over the replicas at the same step index, so the weights equal one pipeline whose
-  micro-batch j holds both replicas' micro-batch j (mean loss over 2b rows = the average of two means over b).
+  stages and within a device, global-norm clipping): the weights, the global gradient norm and the loss after
+  each step equal those of ONE pipeline trained on the replicas' batches concatenated (replica q's rows
+  q*B..(q+1)*B-1).
+- Asynchronous schedules (async 1F1B under PipeOptim and under weight stashing, PipeDream-2BW): every stage's
+  step averages that stage's gradient over the replicas at the same step index, so the weights equal one
+  pipeline whose micro-batch j holds both replicas' micro-batch j (mean loss over 2b rows = the average of two
+  means over b).
 - Every replica holds bit-identical weights after every step, and every rank returns the same loss.
 - A NaN in one replica's data skips that update on every replica (counted once), as in the single pipeline.
-One launch runs every case (8 processes start in ~15 s on 2 cores); the checks run here against the emulator.
+One launch runs every case (starting 8 processes is most of its ~25 s on 2 cores; a case costs ~0.3 s after the
+first); the checks run here against the emulator.
 """
 from __future__ import annotations
 
