@@ -5,8 +5,11 @@ The default is the project's showcase: 4 pipeline stages as 4 local processes on
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
 ``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
-per stage. ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
-init, nothing downloaded) on the meta device, each rank materialising only its own stages
+per stage. ``--dp 2`` runs two data-parallel replicas of the pipeline (``--stages`` x ``--dp`` processes): each
+window draws ``dp`` x the batch and replica q trains on its q-th share (``runtime.data_parallel``), so a window
+sees ``dp`` times the rows and, for a synchronous schedule, updates as one pipeline on that doubled batch.
+``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random init, nothing
+downloaded) on the meta device, each rank materialising only its own stages
 (``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
@@ -68,7 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
-    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes")
+    p.add_argument("--stages", type=_positive_int, default=4,
+                   help="pipeline devices per replica (processes = stages x dp)")
+    p.add_argument("--dp", type=_positive_int, default=1,
+                   help="data-parallel replicas of the pipeline: each trains on its own share of a batch dp times "
+                        "as large (--microbatches x --microbatch-size rows each); synchronous schedules average the "
+                        "gradients over the replicas before the step, asynchronous ones each stage's at every step")
     p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
                    help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
                         "schedule trains")
@@ -223,13 +231,18 @@ def _config(args) -> dict:
         raise ConfigError(f"schedule {args.schedule!r} on {args.stages} devices needs "
                           f"{stages_for(args.schedule, args.stages)} stages but model {args.model!r} has {L + 2} "
                           "layers; use a bigger --model or fewer --stages")
+    if args.dp > 1 and args.emulate:
+        from .runtime.plan import ConfigError
+        raise ConfigError(f"--dp {args.dp} runs {args.stages} x {args.dp} processes; --emulate runs one pipeline in "
+                          f"this process. Drop --emulate, or emulate one pipeline on the same rows with --dp 1 "
+                          f"--microbatch-size {args.microbatch_size * args.dp}")
     if args.device == "cuda":
         import torch
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < (1 if args.emulate else args.stages):
+        if found < (1 if args.emulate else args.stages * args.dp):
             from .runtime.plan import ConfigError
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
-                    else f"{args.stages} GPUs (one per stage)")
+                    else f"{args.stages * args.dp} GPUs (one per stage and replica)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
     if args.tokenizer and not args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
@@ -305,7 +318,12 @@ def _cores() -> int:
 
 def _oversubscribed(cfg: dict) -> bool:
     """More CPU ranks than cores: a rank's idle share then includes waiting for a core, not only the bubble."""
-    return cfg["device"] == "cpu" and not cfg["emulate"] and cfg["stages"] > cfg.get("cores", cfg["stages"])
+    return cfg["device"] == "cpu" and not cfg["emulate"] and _ranks(cfg) > cfg.get("cores", _ranks(cfg))
+
+
+def _ranks(cfg: dict) -> int:
+    """Processes of a run that is not emulated: every stage of every data-parallel replica."""
+    return cfg["stages"] * cfg.get("dp", 1)
 
 
 def _optimizer(cfg):
@@ -381,6 +399,7 @@ def train_worker(cfg: dict) -> dict:
 
     from .models import GPTConfig, gpt_layers
     from .models.gpt import lm_loss
+    from .runtime.data_parallel import replica_rows
     from .train import NonFiniteError, Pipeline
 
     torch.manual_seed(cfg["seed"])
@@ -396,8 +415,9 @@ def train_worker(cfg: dict) -> dict:
                          n_layers=cfg["n_layers"])
         model_kw = dict(layers=gpt_layers(mcfg, seed=cfg["seed"]), loss_fn=lm_loss)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)  # noqa: E731
+    dp = cfg.get("dp", 1)
     pipe = Pipeline(optimizer=_optimizer(cfg), lr_scheduler=schedule,
-                    devices=cfg["stages"], schedule=cfg["schedule"], policy=cfg["policy"],
+                    devices=cfg["stages"], dp=dp, schedule=cfg["schedule"], policy=cfg["policy"],
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
@@ -424,23 +444,24 @@ def train_worker(cfg: dict) -> dict:
         return pipe.save(ckpt, extra={"gen": gen.get_state(), "history": history, "config": resume_config(cfg)},
                          keep=cfg["keep_checkpoints"])
 
-    B = cfg["microbatches"] * cfg["microbatch_size"]
-    tokens_per_step = B * cfg["seq_len"]
+    B = cfg["microbatches"] * cfg["microbatch_size"]  # rows per replica; every rank draws all dp x B of them
+    tokens_per_step = dp * B * cfg["seq_len"]
     bar = None
     idle = "idle" if _oversubscribed(cfg) else "bubble"
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
         if idle == "idle":
-            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(**cfg)}", file=sys.stderr)
+            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(ranks=_ranks(cfg), **cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
-    val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))  # one, fixed
+    mine = lambda batch: replica_rows(batch, pipe.dp_rank, dp)  # noqa: E731  (this replica's rows)
+    val_batch = mine(corpus.batch("val", dp * B, cfg["seq_len"], torch.Generator().manual_seed(1234)))  # fixed
     if hf:
         val_batch = (val_batch[0], val_batch[0])
     t_run = time.perf_counter()
     stopped = None
     for step in range(start, total_steps):
-        batch = corpus.batch("train", B, cfg["seq_len"], gen)
+        batch = mine(corpus.batch("train", dp * B, cfg["seq_len"], gen))  # one generator state on every rank
         if hf:  # Hugging Face's loss takes the input ids as labels and shifts them itself
             batch = (batch[0], batch[0])
         t0 = time.perf_counter()
@@ -481,7 +502,7 @@ def train_worker(cfg: dict) -> dict:
             "checkpoint": directory, "start": resumed}
 
 
-_OVERSUBSCRIBED = ("{stages} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
+_OVERSUBSCRIBED = ("{ranks} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
                    "which here includes waiting for a core, so it measures the machine more than the schedule's "
                    "bubble (pipeoptim schedule NAME -D {stages} -N {microbatches} gives the schedule's own)")
 
@@ -704,7 +725,7 @@ def _claim_run_dir(args, ckpt_root: str) -> None:
 
 def _idle_words(cfg: dict, percent: float) -> str:
     if _oversubscribed(cfg):
-        return (f"idle {percent:.0f}% ({cfg['stages']} ranks on {cfg['cores']} core(s): it measures the machine, "
+        return (f"idle {percent:.0f}% ({_ranks(cfg)} ranks on {cfg['cores']} core(s): it measures the machine, "
                 "not the schedule's bubble); ")
     return f"bubble {percent:.0f}%; "
 
@@ -738,7 +759,7 @@ def run(args) -> int:
                     torch.set_num_threads(max(1, torch.get_num_threads()))
                     result = train_worker(cfg)
                 else:
-                    result = launch(train_worker, args.stages, cfg, timeout_s=None, port=args.port,
+                    result = launch(train_worker, args.stages * args.dp, cfg, timeout_s=None, port=args.port,
                                     watchdog_s=args.watchdog_s)[0]
             except (JobInterrupted, KeyboardInterrupt) as e:
                 signum = getattr(e, "signum", 2)

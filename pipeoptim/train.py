@@ -13,6 +13,11 @@ name; call ``train_step(batch)`` on every rank.
 - Large models: build the model on the ``meta`` device; each process materialises and initialises only the
   layers of its own stages, deterministically from ``seed`` and each layer's global name (``init_fn(layer)``
   or the submodules' ``reset_parameters``; see ``materialize``). Real layers are trained in place, not copied.
+- ``dp=2``: two data-parallel replicas of the pipeline in a job of ``dp x devices`` ranks (rank = replica x
+  devices + pipeline device); each rank passes its replica's own batch (``runtime.data_parallel.replica_rows``)
+  and the replicas average their gradients (synchronous: the update of one pipeline on their batches
+  concatenated; asynchronous: each stage's step averages that step's gradient over the replicas). The loss
+  returned is the mean over every replica's micro-batches (``runtime.data_parallel`` says it all).
 - ``emulate=True`` runs every device in this process (``runtime.Emulator``) on ``device`` ('cpu' or 'cuda':
   all stages on that one device); otherwise this process is one rank of a torch.distributed job (torchrun
   or ``runtime.launch``) and builds only its own chunks.
@@ -56,6 +61,7 @@ from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
 from .runtime.config import check_policy, make_schedule, stages_for
+from .runtime.data_parallel import check_dp, devices_per_replica
 from .runtime.emulator import Emulator
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
@@ -163,6 +169,7 @@ class Pipeline:
             raise ConfigError(f"on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {on_nonfinite!r}")
         if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
+        dp = check_dp(dp, emulate)
         if layers is not None:
             layers = as_layers(layers)
         self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
@@ -181,11 +188,12 @@ class Pipeline:
                 if watchdog_s is not None:
                     self._watch.timeout_s = watchdog_s
                 self._watch.working(BUILDING)
-            if devices is None:
-                devices = ctx.world_size // dp
+            devices = devices_per_replica(ctx.world_size, dp, devices)
         if devices is None:
             raise ConfigError("emulate=True needs devices= (how many pipeline devices to emulate)")
         sched_opts = dict(schedule_options or {})
+        if dp > 1:  # the replicas' gradient all-reduces as actions of the schedule (pipeoptim schedule --data-parallel)
+            sched_opts.setdefault("data_parallel", True)
         n_stages = stages_for(schedule, devices, sched_opts.get("chunks", 2))
         self.schedule = make_schedule(schedule, devices, microbatches, **sched_opts)
         self.policy_name = check_policy(self.schedule, policy)
@@ -209,7 +217,8 @@ class Pipeline:
         else:
             self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
             cut = ModelCut.from_layers(layers, self.balance)
-        self.devices = devices
+        self.devices, self.dp = devices, dp
+        self.dp_rank = 0 if emulate else ctx.rank // devices  # this rank's pipeline replica (data_parallel)
         local = range(devices) if emulate else [ctx.rank % devices]
         gparams = cut.global_params(need_all=bool(tied or copies))
         self.tied = check_ties(tied, self.schedule, gparams)
@@ -247,7 +256,7 @@ class Pipeline:
         else:
             if self._watch is not None:  # creating its process groups waits for every rank
                 self._watch.doing(BUILT, COLLECTIVE)
-            self._runner = Executor(self.plan, self.workers[0], dp_rank=ctx.rank // devices, dp_size=dp,
+            self._runner = Executor(self.plan, self.workers[0], dp_rank=self.dp_rank, dp_size=dp,
                                     device=tdev, watch=ctx.watch)
         self.device = tdev
         self.last_stats: dict = {}
@@ -330,7 +339,8 @@ class Pipeline:
 
     def train_step(self, batch) -> float:
         """One iteration of the schedule on ``batch`` (split into micro-batches); returns the mean loss, the
-        same on every rank. ``last_stats`` also has the global gradient norm and the bubble fraction."""
+        same on every rank (with ``dp``: over every replica's micro-batches, each replica passing its own
+        batch). ``last_stats`` also has the global gradient norm and the bubble fraction."""
         mi, mt = self._split(batch)
         self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
         self.step_count += 1

@@ -284,3 +284,30 @@ def test_train_flags_are_read_without_loading_torch():
 def test_momentum_out_of_range_is_refused(tmp_path, capsys):
     assert main(["--emulate", "--momentum", "1.0", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
     assert "--momentum must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_dp_trains_two_replicas_on_distinct_rows_as_one_pipeline_on_the_doubled_batch(tmp_path, capsys, one_thread):
+    # issue 24.2: `--dp 2 --stages 2` is 4 processes; each window draws 2 x 4 rows and replica q trains on its
+    # q-th 4, so a synchronous schedule's losses (training and validation) are those of one pipeline on all 8
+    # rows; had both replicas read the same rows, they would be those of one pipeline on 4 rows
+    common = ["--model", "tiny", "--stages", "2", "--microbatches", "4", "--schedule", "1f1b", "--steps", "3",
+              "--eval-every", "0", "--no-progress"]
+
+    def losses(*flags, run):
+        assert main([*common, *flags, "--run-dir", str(tmp_path / run)]) == 0, capsys.readouterr().err
+        rows = _strict(tmp_path / run / "history.json")["history"]
+        return [r["loss"] for r in rows] + [rows[-1]["val_loss"]]
+    dp = losses("--dp", "2", "--microbatch-size", "1", run="dp")
+    assert sorted(p.name for p in (tmp_path / "dp" / "checkpoint" / "step-00000003").glob("part-*.pt")) == \
+        [f"part-{r}.pt" for r in range(4)]  # every rank of both replicas wrote its part
+    doubled = losses("--emulate", "--microbatch-size", "2", run="doubled")
+    assert dp == pytest.approx(doubled, rel=1e-5)
+    single = losses("--emulate", "--microbatch-size", "1", run="single")
+    assert abs(dp[0] - single[0]) > 1e-3
+
+
+def test_dp_with_emulate_is_refused_with_the_equivalent_run(tmp_path, capsys):
+    assert main(["--emulate", "--dp", "2", "--microbatch-size", "3", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--dp 1 --microbatch-size 6" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--dp", "0", "--run-dir", str(tmp_path)])

@@ -5,17 +5,22 @@
   the output is posted at once to its consumer (``dataflow.output_transfer``). A split backward's ``I`` moves
   data like a backward; its ``W`` has no input and no output.
 - ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
-  devices; with ``dp`` it also spans the data-parallel copies. Losses are scaled so that the sum is the mean
-  over the iteration's micro-batches.
-- ``Step``: synchronous schedules first sum the gradients of tied parameters over their copies (``tied``),
-  then compute the global gradient norm over the whole pipeline (one
-  all-reduce of a scalar; each stage counted once) for clipping and reporting; with data parallelism the
-  chunk's gradients are averaged over the data-parallel group first (one sync per step). Asynchronous
-  schedules clip per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the
-  pipeline-wide norm of that micro-batch does not exist yet.
+  devices; with ``dp`` it also spans the data-parallel copies and divides by their number (a sum over mirror
+  copies, a mean over replicas); listing no devices, it is that mean alone (``Pipeline(dp=...)`` builds its
+  schedule ``with_data_parallel``). Losses are scaled so that the sum is the mean over the iteration's
+  micro-batches.
+- ``Step``: with data parallelism, gradients that no ``Sync`` averaged over the replicas (a schedule built
+  without ``data_parallel``) are averaged here: a synchronous schedule averages every such local chunk at its
+  first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
+  an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied
+  parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (one
+  all-reduce of a scalar; each stage counted once) for clipping and reporting. Asynchronous schedules clip
+  per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the pipeline-wide
+  norm of that micro-batch does not exist yet.
 - A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
   decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
-  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step.
+  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step; the
+  replicas skip the same updates (their gradients are averaged first), which count once.
 - Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
   every rank (``faults``). Each action, each wait for a peer and each collective is announced to the rank's
   watchdog (``watchdog``), which ends a job that stops making progress, naming who holds it up.
@@ -71,6 +76,9 @@ class Groups:
                     self.dp = g
         self.sync: dict[tuple, object] = {}
         for devs in plan.sync_device_sets:
+            if not devs:  # a data-parallel-only Sync (``with_data_parallel``): this device's replicas, or nobody
+                self.sync[(devs, True)] = self.dp
+                continue
             for q in range(dp_size):
                 g = dist.new_group([rank_of(q, d) for d in devs])
                 if q == dp_rank and pp_rank in devs:
@@ -132,8 +140,9 @@ class Executor:
                     doing(action, COLLECTIVE)
                     group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
                     bufs = w.sync_buffers(action.stages)
-                    for b in bufs:
-                        dist.all_reduce(b, group=group)
+                    if group is not None:  # None: a data-parallel-only Sync of a single replica
+                        for b in bufs:
+                            dist.all_reduce(b, group=group)
                     if action.dp:
                         self._dp_done.update(action.stages)
                         for b in bufs:
@@ -144,8 +153,12 @@ class Executor:
                 elif isinstance(action, Step):
                     doing(action, COLLECTIVE if plan.schedule.synchronous or self.dp_size > 1 else None)
                     coef, finite = None, None  # None: the worker checks this chunk's own gradient
-                    if self.dp_size > 1 and action.stage not in self._dp_done:
-                        self._dp_average(action)
+                    if self.dp_size > 1 and plan.schedule.synchronous and first_step:
+                        for c in w.stages:  # every chunk, before the ties and the norm read them
+                            if c.stage not in self._dp_done:
+                                self._dp_average(c)
+                    elif self.dp_size > 1 and not plan.schedule.synchronous and action.stage not in self._dp_done:
+                        self._dp_average(action.chunk)
                     if plan.schedule.synchronous and first_step:
                         first_step = False
                         self._sum_ties()
@@ -185,7 +198,8 @@ class Executor:
         D = plan.num_devices * self.dp_size
         return {"loss": float(stats[0] / stats[1]), "grad_norm": grad_norm,
                 "busy": float(stats[2]) / D, "wall": float(stats[3]) / D,
-                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12), "nonfinite": int(stats[4])}
+                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12),
+                "nonfinite": round(float(stats[4]) / self.dp_size)}  # every replica skips the same updates
 
     def _input(self, plan: Plan, op):
         src = plan.input_source(op)
@@ -222,8 +236,9 @@ class Executor:
         dist.all_reduce(sq, group=self.groups.pp)
         return math.sqrt(float(sq))
 
-    def _dp_average(self, action: Step) -> None:
-        for g in self.worker.stages[action.chunk].policy.binding.groups:
+    def _dp_average(self, chunk) -> None:
+        """Average ``chunk``'s gradient over the data-parallel replicas (the same device of every replica)."""
+        for g in self.worker.stages[chunk].policy.binding.groups:
             dist.all_reduce(g.grad, group=self.groups.dp)
             g.grad.div_(self.dp_size)
-        self.worker.stages[action.chunk].policy.binding.grads_changed()
+        self.worker.stages[chunk].policy.binding.grads_changed()
