@@ -124,6 +124,7 @@ class Workload:
     warmup: int = 0                # updates of linear lr warm-up, every method alike (0: none)
     runs: tuple[str, ...] = ()     # the asynchronous runs the study trains (default: ASYNC_RUNS)
     widen: int = 0                 # times the sweep may be widened by 2x past an edge that holds a method's best
+    train_sync: bool = True        # whether run_study trains the synchronous run (--only without "sync": no)
 
     def __post_init__(self):
         if self.updates % self.eval_every or any(self.window % d for d in self.depths):
@@ -352,11 +353,17 @@ def read_runs(path: str) -> list[dict]:
         return []
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
+    seen = set()
     for r in rows:
         r["devices"], r["seed"], r["lr"] = int(r["devices"]), int(r["seed"]), float(r["lr"])
         r["diverged"] = r["diverged"] == "True"
         r["curve"] = [(s, float("nan") if v is None else v) for s, v in json.loads(r["curve"])]
-    return rows
+    out = []
+    for r in rows:  # a run made twice (two commands sharing the file) counts once: the first one
+        if _run_key(r) not in seen:
+            seen.add(_run_key(r))
+            out.append(r)
+    return out
 
 
 def _append(path: str, row: dict) -> None:
@@ -449,7 +456,7 @@ def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float
 
 
 def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
-    runs = ("sync",) + wl.async_runs
+    runs = ("sync",) * wl.train_sync + wl.async_runs
     if phase == "sweep":
         return [(m, d, lr, wl.seeds[0]) for m in runs for d in run_depths(wl, m) for lr in wl.lrs]
     if phase == "widen":
@@ -686,15 +693,22 @@ class MeasuredCosts:
 
 
 # ---- the study ------------------------------------------------------------------------------------------------
-def run_study(wl: Workload, out: str, jobs: int, threads: int, only: tuple[str, ...] = ()) -> None:
-    """Train what is missing of `wl`'s study (resumes); ``only``: of the asynchronous runs, just these (the
-    synchronous one always)."""
+def run_study(wl: Workload, out: str, jobs: int, threads: int, only: tuple[str, ...] = (),
+              depths: tuple[int, ...] = (), screen: bool = False) -> None:
+    """Train what is missing of `wl`'s study (resumes); ``only``: just these runs (an asynchronous run of the
+    workload, or "sync"; two commands with disjoint ``only`` can share the runs file); ``depths``: only at these depths; ``screen``: only the lr sweep (seed 0, widened
+    until bracketed), not the other seeds."""
+    if depths:
+        if not set(depths) <= set(wl.depths):
+            raise SystemExit(f"--depths {' '.join(map(str, depths))}: workload {wl.name} runs at depths "
+                             f"{' '.join(map(str, wl.depths))}")
+        wl = dataclasses.replace(wl, depths=tuple(depths))
     if only:
-        unknown = sorted(set(only) - set(wl.async_runs))
+        unknown = sorted(set(only) - set(wl.async_runs) - {"sync"})
         if unknown:
             raise SystemExit(f"--only {' '.join(unknown)}: not a run of workload {wl.name} "
-                             f"(its runs: {' '.join(wl.async_runs)})")
-        wl = dataclasses.replace(wl, runs=tuple(only))
+                             f"(its runs: sync {' '.join(wl.async_runs)})")
+        wl = dataclasses.replace(wl, runs=tuple(m for m in only if m != "sync"), train_sync="sync" in only)
     if jobs > 2:
         print(f"note: {jobs} processes at once on this shared machine; the study's timings assume at most 2",
               file=sys.stderr)
@@ -704,7 +718,7 @@ def run_study(wl: Workload, out: str, jobs: int, threads: int, only: tuple[str, 
     run_missing(wl, plan_runs(wl, read_runs(path), "sweep"), path, jobs, threads)
     for _ in range(wl.widen):   # one more lr past the edge per round, until every best is bracketed
         run_missing(wl, plan_runs(wl, read_runs(path), "widen"), path, jobs, threads)
-    for phase in ("seeds", "ablation"):
+    for phase in () if screen else ("seeds", "ablation"):
         run_missing(wl, plan_runs(wl, read_runs(path), phase), path, jobs, threads)
 
 
@@ -998,8 +1012,13 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="training runs at once (each one thread); at most 2 here")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", nargs="+", default=(), metavar="RUN",
-                    help="train only these of the workload's asynchronous runs now (the rest later; the report "
-                         "covers every run found)")
+                    help="train only these of the workload's runs now ('sync' or its asynchronous ones; the rest "
+                         "later; the report covers every run found)")
+    ap.add_argument("--depths", nargs="+", type=int, default=(), metavar="D",
+                    help="train only at these of the workload's depths now")
+    ap.add_argument("--screen", action="store_true",
+                    help="only the lr sweep (seed 0, widened until each best is bracketed): the screen that picks "
+                         "which methods get the other seeds")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -1016,7 +1035,8 @@ def main(argv=None) -> int:
     for name in dict.fromkeys(names):
         t1 = time.perf_counter()
         if not args.report:
-            run_study(WORKLOADS[name], args.out, args.jobs, args.threads, tuple(args.only))
+            run_study(WORKLOADS[name], args.out, args.jobs, args.threads, tuple(args.only), tuple(args.depths),
+                      args.screen)
         report(WORKLOADS[name], args.out)
         print(f"{name}: {time.perf_counter() - t1:.0f} s", flush=True)
     print(f"wall time of this command: {time.perf_counter() - t0:.0f} s")

@@ -404,6 +404,24 @@ def test_only_restricts_the_asynchronous_runs_trained(tmp_path, monkeypatch):
     planned = []
     monkeypatch.setattr(ttt, "load_or_measure_costs", lambda *a, **k: None)
     monkeypatch.setattr(ttt, "run_missing", lambda w, todo, *a: planned.extend(todo))
-    ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, only=("pipeoptim-2bw",))
+    ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, only=("sync", "pipeoptim-2bw"))
     assert {m for m, *_ in planned} == {"sync", "pipeoptim-2bw"}
     assert {d for m, d, *_ in planned if m == "pipeoptim-2bw"} == set(wl.depths)
+    planned.clear()  # another command's share: no sync, two depths, the sweep only (seed 0)
+    ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, only=("stash",), depths=(4, 16), screen=True)
+    assert {(m, d) for m, d, *_ in planned} == {("stash", 4), ("stash", 16)}
+    assert {seed for *_, seed in planned} == {wl.seeds[0]}
+    with pytest.raises(SystemExit, match="runs at depths 4 8 16"):
+        ttt.run_study(wl, str(tmp_path), jobs=1, threads=1, depths=(2,))
+
+
+def test_a_run_recorded_twice_counts_once(tmp_path):
+    path = str(tmp_path / "runs.csv")
+    row = {"workload": "quick", "method": "stash", "devices": 2, "lr": 0.01, "seed": 0, "updates": 4,
+           "microbatch_size": 1, "diverged": False, "final": 0.5, "best": 0.5, "curve": "[[0, 0.1], [4, 0.5]]",
+           "wall_s": 1.0, "cpu_s": 1.0}
+    ttt._append(path, row)
+    ttt._append(path, {**row, "final": 0.7})
+    ttt._append(path, {**row, "seed": 1})
+    runs = ttt.read_runs(path)
+    assert [(r["seed"], float(r["final"])) for r in runs] == [(0, 0.5), (1, 0.5)]
