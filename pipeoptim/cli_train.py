@@ -101,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=200, help="schedule windows (train_step calls) to run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, a GPU per stage")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision")
+    p.add_argument("--checkpoint-stages", type=_checkpoint_stages, default=None, metavar="SPEC",
+                   help="recompute activations in the backward (any --policy; the recomputation reads the weights the "
+                        "policy's backward reads): 'all', stages '0,1', or layers within a stage '0,1:0-2' (stage 0 "
+                        "whole, layers 0 to 2 of stage 1, each recomputed on its own) (default: none)")
     p.add_argument("--clip", type=_non_negative_float, default=1.0,
                    help="gradient clipping norm (0: off); with --resume a new value applies")
     p.add_argument("--run-dir", default="runs/train", help="checkpoint/, loss.png and history.json go here")
@@ -129,6 +133,30 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the data order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _checkpoint_stages(text: str):
+    """--checkpoint-stages: 'all' -> True; '0,1:0-2,1:5' -> {0: 'all', 1: [0, 1, 2, 5]} (Pipeline's forms)."""
+    if text.strip() == "all":
+        return True
+    out: dict[int, object] = {}
+    try:
+        for item in text.split(","):
+            stage, _, layers = item.strip().partition(":")
+            k = int(stage)
+            if not layers:
+                out[k] = "all"
+                continue
+            lo, _, hi = layers.partition("-")
+            chosen = list(range(int(lo), int(hi or lo) + 1))
+            if not chosen or min(chosen) < 0 or k < 0:
+                raise ValueError
+            if out.get(k) != "all":
+                out[k] = sorted(set(out.get(k, [])) | set(chosen))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'all', stage indices '0,1', or layers within a stage "
+                                         "'1:0-2' (stage 1, its layers 0 to 2)") from None
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -365,7 +393,8 @@ def train_worker(cfg: dict) -> dict:
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
-                    policy_options=_policy_options(cfg), **model_kw)
+                    policy_options=_policy_options(cfg), checkpoint_stages=cfg.get("checkpoint_stages") or (),
+                    **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])

@@ -267,3 +267,15 @@ def test_every_policy_trains_with_recomputation_under_the_split_backward(policy,
     p = _pipe(schedule="async-zb", policy=policy, checkpoint_stages=True)
     losses = [p.train_step(rc.batch(0)) for _ in range(4)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_cli_checkpoint_stages_spec(capsys):
+    from pipeoptim.cli import build_parser
+    parse = lambda *a: build_parser().parse_args(["train", *a]).checkpoint_stages  # noqa: E731
+    assert parse() is None
+    assert parse("--checkpoint-stages", "all") is True
+    assert parse("--checkpoint-stages", "0,1:0-2,1:5") == {0: "all", 1: [0, 1, 2, 5]}
+    assert parse("--checkpoint-stages", "2") == {2: "all"}
+    with pytest.raises(SystemExit):
+        parse("--checkpoint-stages", "1:x")
+    assert "give 'all', stage indices '0,1', or layers within a stage" in capsys.readouterr().err
