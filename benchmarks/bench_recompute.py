@@ -1,5 +1,6 @@
 """What activation recomputation saves and costs: peak activation memory per stage and time per window, for
-async-1f1b (PipeOptim) and 1f1b at D = 4 and 8, with and without recomputing every stage (issue 24).
+async-1f1b (PipeOptim) and 1f1b at D = 4 and 8, recomputing no stage, the first half of the stages (which hold the
+most micro-batches) or every stage (issue 24).
 
 The GPT is sized so that activations dominate: d_model 64, 8 blocks, 256 tokens per sequence, 4 sequences per
 micro-batch (a block's parameters are 12·d² = 49 K floats, its activations for one micro-batch ~1 M floats), cut
@@ -14,7 +15,7 @@ Memory, two ways:
   system (MALLOC_MMAP_THRESHOLD_=65536), so it includes what the bookkeeping cannot see: the recomputation's
   transient activations in the backward, gradients, the optimizer's first-step state, temporaries.
 
-Time: the two pipelines of a setting (recomputation off and on) are built in one process and their ``train_step``
+Time: the three pipelines of a setting (the three recomputation choices) are built in one process and their ``train_step``
 windows alternate (one untimed each first), so both see the same machine load; the median over ``--windows`` of
 each, as the process's CPU time (one thread: what the window computes, robust to other processes on a shared
 machine) and as wall time.
@@ -64,7 +65,10 @@ def _rss_mib() -> float:
     return 0.0
 
 
-def _build(args, recompute: bool):
+MODES = {"off": lambda D: (), "first half": lambda D: list(range(D // 2)), "every stage": lambda D: True}
+
+
+def _build(args, recompute: str):
     import torch
     from pipeoptim.models import GPTConfig, gpt_layers
     from pipeoptim.models.gpt import lm_loss
@@ -73,7 +77,7 @@ def _build(args, recompute: bool):
     N = 2 * args.devices
     policy = "pipeoptim" if args.schedule.startswith("async") else None
     pipe = Pipeline(gpt_layers(cfg, seed=0), loss_fn=lm_loss, devices=args.devices, schedule=args.schedule,
-                    policy=policy, microbatches=N, emulate=True, checkpoint_stages=recompute,
+                    policy=policy, microbatches=N, emulate=True, checkpoint_stages=MODES[recompute](args.devices),
                     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     gen = torch.Generator().manual_seed(0)
 
@@ -96,7 +100,7 @@ def memory(args) -> dict:
             acts[chunk.stage] = max(acts[chunk.stage], st.policy.peak_activation_bytes)
     mib = [a / 2**20 for a in acts]
     return {"schedule": args.schedule, "policy": pipe.policy_name, "devices": args.devices,
-            "microbatches": pipe.schedule.num_microbatches, "recompute": "every stage" if args.recompute else "off",
+            "microbatches": pipe.schedule.num_microbatches, "recompute": args.recompute,
             "d_model": args.d_model, "blocks": args.blocks, "seq_len": args.seq_len,
             "microbatch_size": args.microbatch_size, "act_mib_per_stage": " ".join(f"{m:.1f}" for m in mib),
             "act_mib_stage0": round(mib[0], 2), "act_mib_total": round(sum(mib), 2),
@@ -105,8 +109,8 @@ def memory(args) -> dict:
 
 def timing(args) -> dict:
     """Both pipelines of a setting in this process, their windows alternating: {recompute: (cpu s, wall s) lists}."""
-    pipes = {rc: _build(args, rc) for rc in (False, True)}
-    out = {False: [], True: []}
+    pipes = {rc: _build(args, rc) for rc in MODES}
+    out = {rc: [] for rc in MODES}
     for i in range(args.windows + 1):
         for rc, (pipe, batch) in pipes.items():
             b = batch()
@@ -114,7 +118,7 @@ def timing(args) -> dict:
             pipe.train_step(b)
             if i:  # the first window of each is untimed
                 out[rc].append((time.process_time() - c0, time.perf_counter() - t0))
-    return {str(int(rc)): v for rc, v in out.items()}
+    return out
 
 
 def main(argv=None) -> None:
@@ -130,7 +134,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.one:
         what, sched, D, *rc = args.one.split(",")
-        args.schedule, args.devices, args.recompute = sched, int(D), rc == ["1"]
+        args.schedule, args.devices, args.recompute = sched, int(D), (rc or ["off"])[0]
         import torch
         torch.set_num_threads(1)
         print(json.dumps(memory(args) if what == "memory" else timing(args)))
@@ -151,8 +155,8 @@ def main(argv=None) -> None:
         return json.loads(out.stdout.strip().splitlines()[-1])
     for sched, D in settings:
         times = run(f"timing,{sched},{D}")
-        for rc in (0, 1):
-            cpu_s, wall_s = [t[0] for t in times[str(rc)]], [t[1] for t in times[str(rc)]]
+        for rc in MODES:
+            cpu_s, wall_s = [t[0] for t in times[rc]], [t[1] for t in times[rc]]
             row = dict(run(f"memory,{sched},{D},{rc}"), window_cpu_s=round(statistics.median(cpu_s), 3),
                        window_wall_s=round(statistics.median(wall_s), 3),
                        window_cpu_s_all=" ".join(f"{t:.3f}" for t in cpu_s), command=command.strip())

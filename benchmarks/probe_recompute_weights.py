@@ -18,7 +18,9 @@ same model at the real weights of backward time (what the prediction aimed at). 
 the real weights, recomputation on the kept ŵ, and for scale the stale gradient (the weights of forward time).
 The gradient the stage received was computed downstream from its forward's output (from ŵ) whatever the choice,
 so the ``stage_rel_err`` columns also compare with the stage's own part of the reference: the float64
-vector-Jacobian product of the stage at the real weights with that received gradient.
+vector-Jacobian product of the stage at the real weights with that received gradient; and
+``rel_err_vs_grad_at_prediction`` with the float64 gradient at ŵ itself (forward and backward at the weights the
+forward read: what recomputing on the kept ŵ computes exactly).
 
 ``--part convergence``: bench_convergence's gpt4 setting (byte-level GPT, 4 stages, async-1f1b, AdamW) with
 PipeOptim, every stage recomputed, both choices and no recomputation, several seeds: final validation loss.
@@ -26,7 +28,8 @@ PipeOptim, every stage recomputed, both choices and no recomputation, several se
     python benchmarks/probe_recompute_weights.py --part grad
     python benchmarks/probe_recompute_weights.py --part convergence --seeds 0 1 2
 
-Writes benchmarks/results/recompute_weights_<part>[_lr<lr>].csv (the command in every row).
+Writes benchmarks/results/recompute_weights_grad_warm<warm>.csv or recompute_weights_convergence[_lr<lr>].csv
+(the command in every row).
 """
 from __future__ import annotations
 
@@ -104,8 +107,12 @@ def _grad_trial(variant: str, s: int, lr: float, seed: int, warm: int, trials: i
         x, y = data()
         fwd_real = {n: p.detach().clone() for n, p in stage.named_parameters()}
         mb = ("test", t)
+        seen = {}
+        hook = stage.register_forward_pre_hook(
+            lambda mod, a: seen.update({n: p.detach().clone() for n, p in mod.named_parameters()}))
         with pol.forward(mb, s=s):
             out = run_stage(stage, (x,), ALL, lambda: pol.recompute_context(mb)) if pol.recompute else stage(x)
+        hook.remove()
         out_d = out.detach().requires_grad_(True)
         dy, = torch.autograd.grad(lm_loss(head(out_d), y), out_d)   # what the downstream stages send back
         for i in range(s):
@@ -117,12 +124,14 @@ def _grad_trial(variant: str, s: int, lr: float, seed: int, warm: int, trials: i
         got = torch.cat([p.grad.detach().double().reshape(-1) for p in stage.parameters()])
         ref = _reference(stage, head, real, x, y)
         local = _reference(stage, head, real, x, y, dy)
+        at_prediction = _reference(stage, head, seen, x, y)   # the gradient at ŵ, the forward's weights
         if variant == "stale_forward_weights":
             got = _reference(stage, head, fwd_real, x, y, dy)
         pol.binding.zero_grad()
         out_rows.append((float((got - ref).norm() / ref.norm()),
                          float(torch.nn.functional.cosine_similarity(got, ref, dim=0)),
-                         float((got - local).norm() / local.norm())))
+                         float((got - local).norm() / local.norm()),
+                         float((got - at_prediction).norm() / at_prediction.norm())))
         pol.step(skip=True)  # drop the tested gradient; the weights move only by the steps in between
     return out_rows
 
@@ -153,16 +162,18 @@ def part_grad(args) -> None:
                 res = []
                 for seed in args.seeds:
                     res += _grad_trial(variant, s, lr, seed, args.warm, args.trials)
-                errs, coss, local = [r[0] for r in res], [r[1] for r in res], [r[2] for r in res]
+                errs, coss, local, at_pred = ([r[i] for r in res] for i in range(4))
                 row = {"lr": lr, "s": s, "variant": variant, "samples": len(res),
                        "rel_err_mean": f"{statistics.mean(errs):.3e}", "rel_err_max": f"{max(errs):.3e}",
                        "cosine_mean": f"{statistics.mean(coss):.6f}",
                        "stage_rel_err_mean": f"{statistics.mean(local):.3e}",
-                       "stage_rel_err_max": f"{max(local):.3e}", "seeds": " ".join(map(str, args.seeds)),
+                       "stage_rel_err_max": f"{max(local):.3e}",
+                       "rel_err_vs_grad_at_prediction": f"{statistics.mean(at_pred):.3e}",
+                       "seeds": " ".join(map(str, args.seeds)),
                        "warmup_steps": args.warm, "wall_s": round(time.perf_counter() - t0, 1)}
                 print(row, flush=True)
                 rows.append(row)
-    _write(os.path.join(RESULTS, "recompute_weights_grad.csv"), rows)
+    _write(os.path.join(RESULTS, f"recompute_weights_grad_warm{args.warm}.csv"), rows)
 
 
 # ---- convergence -----------------------------------------------------------------------------------------
@@ -204,8 +215,8 @@ def part_convergence(args) -> None:
                    "wall_s": round(time.perf_counter() - t0, 1)}
             print(row, flush=True)
             rows.append(row)
-    _write(os.path.join(RESULTS, "recompute_weights_convergence" + (f"_lr{args.lr:g}" if args.lr else "") + ".csv"),
-           rows)
+    _write(args.csv or os.path.join(RESULTS, "recompute_weights_convergence" + (f"_lr{args.lr:g}" if args.lr else "")
+                                    + ".csv"), rows)
 
 
 def main(argv=None) -> None:
@@ -218,6 +229,7 @@ def main(argv=None) -> None:
     ap.add_argument("--trials", type=int, default=3, help="grad: measured micro-batches per seed")
     ap.add_argument("--window", type=int, default=32, help="convergence: micro-batches per train_step")
     ap.add_argument("--lr", type=float, default=None, help="convergence: AdamW lr (default: the gpt4 suite's)")
+    ap.add_argument("--csv", default=None, help="convergence: write here instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(RESULTS, exist_ok=True)
