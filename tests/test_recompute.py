@@ -279,3 +279,22 @@ def test_cli_checkpoint_stages_spec(capsys):
     with pytest.raises(SystemExit):
         parse("--checkpoint-stages", "1:x")
     assert "give 'all', stage indices '0,1', or layers within a stage" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_distributed_executor_equals_emulator_with_recomputation(one_thread):
+    """2 processes over gloo give the emulator's weights bit for bit with recomputation: async-zb + stash (whole
+    stages, split backward) and async-1f1b + pipeoptim (chosen layers of stage 0)."""
+    from pipeoptim.runtime.launcher import launch
+    cases = [("async-zb", "stash", 2, 4, 1, {"checkpoint_stages": True}),
+             ("async-1f1b", "pipeoptim", 2, 4, 1, {"checkpoint_stages": {0: [0, 1], 1: "all"}})]
+    results = launch(rc.run_cases, 2, cases, timeout_s=200)
+    for i, case in enumerate(cases):
+        params = {}
+        for r in results:
+            params.update(r[i]["params"])
+        emu = rc.train(rc.make_pipeline(case, emulate=True))
+        assert set(params) == set(emu["params"]), case
+        for name, value in emu["params"].items():
+            assert torch.equal(params[name], value), (case, name)
+        assert results[0][i]["losses"] == pytest.approx(emu["losses"], rel=1e-6), case
