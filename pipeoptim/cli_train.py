@@ -224,6 +224,14 @@ def _config(args) -> dict:
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
                     else f"{args.stages} GPUs (one per stage)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
+    if args.checkpoint_stages:
+        from .recompute import CheckpointStagesError, parse_checkpoint_stages
+        from .runtime.plan import ConfigError
+        try:  # the stages now (no torch); the layers within them once the model is cut (Pipeline)
+            parse_checkpoint_stages(args.checkpoint_stages, [None] * stages_for(args.schedule, args.stages))
+        except CheckpointStagesError as e:
+            raise ConfigError(f"--checkpoint-stages: {e.problem} (--stages {args.stages}, --schedule "
+                              f"{args.schedule})") from None
     if args.tokenizer and not args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
         raise ConfigError(f"--tokenizer needs a Hugging Face model (--model hf-gpt2 or hf-llama); --model "

@@ -23,14 +23,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Mapping, Sequence
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from .runtime.plan import ConfigError   # torch is imported where a stage runs: the CLI checks the form without it
 
-from .model_cut import StageModule, _boundary
-from .runtime.plan import ConfigError
-
-__all__ = ["ALL", "parse_checkpoint_stages", "run_stage"]
+__all__ = ["ALL", "CheckpointStagesError", "parse_checkpoint_stages", "run_stage"]
 
 ALL = "all"
 
@@ -38,40 +33,51 @@ _HELP = ("checkpoint_stages is True (every stage), a list of stage indices, or a
          "layer indices within that stage}")
 
 
-def _index(value, what: str, limit: int) -> int:
+class CheckpointStagesError(ConfigError):
+    """A checkpoint_stages value that names no stage or layer, or has no known form; ``problem`` says which."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"checkpoint_stages: {problem}; {_HELP}")
+        self.problem = problem
+
+
+def _index(value, limit: int, where: str, what: str) -> int:
+    """``value`` as an index below ``limit``; else an error saying that ``where`` has no such ``what``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"checkpoint_stages: {what} {value!r} is not an integer index; {_HELP}")
+        raise CheckpointStagesError(f"{what} {value!r} is not an integer index")
     if not 0 <= value < limit:
-        raise ConfigError(f"checkpoint_stages: {what} {value} does not exist: there are {limit} (0 to {limit - 1}); "
-                          f"{_HELP}")
+        raise CheckpointStagesError(f"{where} has no {what} {value}: it has {limit} ({what}s 0 to {limit - 1})")
     return value
 
 
-def parse_checkpoint_stages(value, layers_per_stage: Sequence[int]) -> dict[int, str | tuple[int, ...]]:
+def parse_checkpoint_stages(value, layers_per_stage: Sequence[int | None]) -> dict[int, str | tuple[int, ...]]:
     """{stage: "all" or the sorted layer indices to checkpoint} from what ``Pipeline(checkpoint_stages=)`` got, or
     a ConfigError naming the stage or layer that does not exist. ``layers_per_stage``: the cut's layer counts (a
-    stage given as a module is one layer)."""
+    stage given as a module is one layer); None for a stage whose layers are not known yet (the CLI checks the
+    stages before the model exists; the Pipeline checks the layers)."""
     n = len(layers_per_stage)
     if value is None or value is False:
         return {}
     if value is True:
         return {k: ALL for k in range(n)}
     if isinstance(value, (str, bytes)) or not isinstance(value, (Mapping, Sequence, set, frozenset)):
-        raise ConfigError(f"checkpoint_stages={value!r}: {_HELP}")
+        raise CheckpointStagesError(f"{value!r} has no known form")
     if not isinstance(value, Mapping):
         value = {stage: ALL for stage in value}
     out: dict[int, str | tuple[int, ...]] = {}
     for stage, layers in value.items():
-        stage = _index(stage, "stage", n)
+        stage = _index(stage, n, "the pipeline", "stage")
         if layers == ALL or layers is True:
             out[stage] = ALL
             continue
         if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, set, frozenset)):
-            raise ConfigError(f"checkpoint_stages[{stage}]={layers!r}: give 'all' or a list of layer indices within "
-                              f"stage {stage} (it has {layers_per_stage[stage]} layers)")
-        chosen = tuple(sorted({_index(j, f"layer of stage {stage}", layers_per_stage[stage]) for j in layers}))
+            raise CheckpointStagesError(f"stage {stage}: {layers!r} is neither 'all' nor a list of layer indices "
+                                        "within the stage")
+        count = layers_per_stage[stage]
+        chosen = tuple(sorted({_index(j, 1 << 62 if count is None else count, f"stage {stage}", "layer")
+                               for j in layers}))
         if chosen:
-            out[stage] = ALL if len(chosen) == layers_per_stage[stage] == 1 else chosen
+            out[stage] = ALL if len(chosen) == count == 1 else chosen
     return out
 
 
@@ -96,10 +102,13 @@ def _contexts(recompute_context: Callable[[], ContextManager]):
     return lambda: (nullcontext(), _EachTime(recompute_context))
 
 
-def run_stage(module: nn.Module, xs: tuple, layers: str | tuple[int, ...],
+def run_stage(module, xs: tuple, layers: str | tuple[int, ...],
               recompute_context: Callable[[], ContextManager]):
     """``module(*xs)`` with ``layers`` ("all", or indices of a StageModule's layers) recomputed in the backward,
     where ``recompute_context()`` is entered around each recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .model_cut import StageModule, _boundary
     ctx = _contexts(recompute_context)
     if layers == ALL or not isinstance(module, StageModule):
         if layers != ALL:

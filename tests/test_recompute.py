@@ -12,6 +12,7 @@ What the recomputed forward reads, checked against references written here (floa
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -233,14 +234,14 @@ def test_parse_checkpoint_stages():
 
 
 @pytest.mark.parametrize("value,words", [
-    ([4], "stage 4 does not exist: there are 4"),
-    ({1: [5]}, "layer of stage 1 5 does not exist: there are 2"),
-    ({0: "some"}, "give 'all' or a list of layer indices"),
-    ("0", "checkpoint_stages is True"),
+    ([4], "the pipeline has no stage 4: it has 4 (stages 0 to 3)"),
+    ({1: [5]}, "stage 1 has no layer 5: it has 2 (layers 0 to 1)"),
+    ({0: "some"}, "stage 0: 'some' is neither 'all' nor a list of layer indices"),
+    ("0", "'0' has no known form; checkpoint_stages is True"),
     ([True], "not an integer index"),
 ])
 def test_bad_checkpoint_stages_name_the_problem(value, words):
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
         Pipeline(gpt_layers(rc.CFG, seed=1), loss_fn=lm_loss, optimizer=rc.adamw, devices=4, schedule="async-1f1b",
                  policy="stash", microbatches=4, emulate=True, checkpoint_stages=value)
 
@@ -279,6 +280,20 @@ def test_cli_checkpoint_stages_spec(capsys):
     with pytest.raises(SystemExit):
         parse("--checkpoint-stages", "1:x")
     assert "give 'all', stage indices '0,1', or layers within a stage" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_stage_that_does_not_exist_before_torch_is_loaded(tmp_path):
+    import subprocess
+    import sys
+
+    import fault_harness as fh
+    probe = ("import sys; from pipeoptim.cli import main; "
+             f"rc = main(['train', '--checkpoint-stages', '0,9', '--run-dir', {str(tmp_path / 'r')!r}]); "
+             "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=fh.env())
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert ("--checkpoint-stages: the pipeline has no stage 9: it has 4 (stages 0 to 3) (--stages 4, --schedule "
+            "async-1f1b)") in proc.stderr
 
 
 @pytest.mark.slow
