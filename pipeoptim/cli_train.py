@@ -227,11 +227,13 @@ def _config(args) -> dict:
     if args.checkpoint_stages:
         from .recompute import CheckpointStagesError, parse_checkpoint_stages
         from .runtime.plan import ConfigError
-        try:  # the stages now (no torch); the layers within them once the model is cut (Pipeline)
-            parse_checkpoint_stages(args.checkpoint_stages, [None] * stages_for(args.schedule, args.stages))
+        from .partition import balance_by_layers   # the Pipeline's cut of the model's L + 2 layers (no torch)
+        try:
+            parse_checkpoint_stages(args.checkpoint_stages,
+                                    balance_by_layers(L + 2, stages_for(args.schedule, args.stages)))
         except CheckpointStagesError as e:
-            raise ConfigError(f"--checkpoint-stages: {e.problem} (--stages {args.stages}, --schedule "
-                              f"{args.schedule})") from None
+            raise ConfigError(f"--checkpoint-stages: {e.problem} (--model {args.model}, --stages {args.stages}, "
+                              f"--schedule {args.schedule})") from None
     if args.tokenizer and not args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
         raise ConfigError(f"--tokenizer needs a Hugging Face model (--model hf-gpt2 or hf-llama); --model "

@@ -282,18 +282,20 @@ def test_cli_checkpoint_stages_spec(capsys):
     assert "give 'all', stage indices '0,1', or layers within a stage" in capsys.readouterr().err
 
 
-def test_cli_refuses_a_stage_that_does_not_exist_before_torch_is_loaded(tmp_path):
+def test_cli_refuses_a_stage_or_layer_that_does_not_exist_before_torch_is_loaded(tmp_path):
     import subprocess
     import sys
 
     import fault_harness as fh
     probe = ("import sys; from pipeoptim.cli import main; "
-             f"rc = main(['train', '--checkpoint-stages', '0,9', '--run-dir', {str(tmp_path / 'r')!r}]); "
-             "print(rc, 'torch' in sys.modules)")
+             f"print([main(['train', '--checkpoint-stages', spec, '--run-dir', {str(tmp_path / 'r')!r}]) "
+             "for spec in ('0,9', '1:1', '3:2')], 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=fh.env())
-    assert proc.stdout.split() == ["2", "False"], proc.stderr
-    assert ("--checkpoint-stages: the pipeline has no stage 9: it has 4 (stages 0 to 3) (--stages 4, --schedule "
-            "async-1f1b)") in proc.stderr
+    assert proc.stdout.strip() == "[2, 2, 2] False", proc.stderr
+    where = "(--model small, --stages 4, --schedule async-1f1b)"      # 6 layers cut 1, 1, 2, 2
+    assert f"--checkpoint-stages: the pipeline has no stage 9: it has 4 (stages 0 to 3) {where}" in proc.stderr
+    assert f"--checkpoint-stages: stage 1 has no layer 1: it has 1 (layers 0 to 0) {where}" in proc.stderr
+    assert f"--checkpoint-stages: stage 3 has no layer 2: it has 2 (layers 0 to 1) {where}" in proc.stderr
 
 
 @pytest.mark.slow
