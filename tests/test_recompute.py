@@ -132,6 +132,13 @@ def test_pipeoptim_recomputes_on_the_real_weights_at_backward(mechanism):
     assert max(_rel(plain[n], ref[n]) for n in ref) > 1e-3
 
 
+def test_none_recomputes_on_the_real_weights_at_backward():
+    got, dx, seen, real, (m, x, dy) = _run("none", ALL)
+    assert any(not torch.equal(seen[n], real[n]) for n in seen)
+    ref_dx, ref = _reference_grads(m, real, x, dy)
+    assert max(_rel(got[n], ref[n]) for n in ref) < 1e-5 and _rel(dx, ref_dx) < 1e-5
+
+
 def test_pipeoptim_recompute_on_forward_reads_the_kept_prediction():
     got, dx, seen, real, (m, x, dy) = _run("pipeoptim", ALL, recompute_on="forward")
     ref_dx, ref = _reference_grads(m, seen, x, dy)   # the gradient at ŵ
@@ -252,10 +259,12 @@ def _pipe(**kw):
     return Pipeline(gpt_layers(rc.CFG, seed=1), **opts)
 
 
-@pytest.mark.parametrize("schedule,policy,n", [("async-1f1b", "stash", 4), ("2bw", "2bw", 8), ("async-zb", "stash", 4)])
-def test_stash_pipelines_train_the_same_with_and_without_recomputation(schedule, policy, n, one_thread):
-    a = _pipe(schedule=schedule, policy=policy, microbatches=n)
-    b = _pipe(schedule=schedule, policy=policy, microbatches=n, checkpoint_stages={0: ALL, 1: [0], 2: [1]})
+@pytest.mark.parametrize("schedule,policy,n,precision", [("async-1f1b", "stash", 4, "fp32"), ("2bw", "2bw", 8, "fp32"),
+                                                          ("async-zb", "stash", 4, "fp32"), ("async-zb", "stash", 4, "bf16")])
+def test_stash_pipelines_train_the_same_with_and_without_recomputation(schedule, policy, n, precision, one_thread):
+    a = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision)
+    b = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision,
+              checkpoint_stages={0: ALL, 1: [0], 2: [1]})
     assert [a.train_step(rc.batch(i)) for i in range(3)] == [b.train_step(rc.batch(i)) for i in range(3)]
     pa, pb = a.named_parameters(), b.named_parameters()
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
