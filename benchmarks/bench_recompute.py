@@ -15,8 +15,8 @@ Memory, two ways:
   system (MALLOC_MMAP_THRESHOLD_=65536), so it includes what the bookkeeping cannot see: the recomputation's
   transient activations in the backward, gradients, the optimizer's first-step state, temporaries.
 
-Time: the three pipelines of a setting (the three recomputation choices) are built in one process and their ``train_step``
-windows alternate (one untimed each first), so both see the same machine load; the median over ``--windows`` of
+Time: the three pipelines of a setting (the three recomputation choices) are built in one process and their
+``train_step`` windows alternate (one untimed each first), so both see the same machine load; the median over ``--windows`` of
 each, as the process's CPU time (one thread: what the window computes, robust to other processes on a shared
 machine) and as wall time.
 
@@ -143,8 +143,9 @@ def main(argv=None) -> None:
     if args.quick:
         args.d_model, args.blocks, args.seq_len, args.microbatch_size, args.windows = 16, 4, 32, 2, 1
         settings = [("async-1f1b", 4)]
-    command = "python benchmarks/bench_recompute.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = "python benchmarks/bench_recompute.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     passthrough = ["--d-model", str(args.d_model), "--blocks", str(args.blocks), "--seq-len", str(args.seq_len),
                    "--microbatch-size", str(args.microbatch_size), "--windows", str(args.windows)]
     rows = []

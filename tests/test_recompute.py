@@ -259,8 +259,9 @@ def _pipe(**kw):
     return Pipeline(gpt_layers(rc.CFG, seed=1), **opts)
 
 
-@pytest.mark.parametrize("schedule,policy,n,precision", [("async-1f1b", "stash", 4, "fp32"), ("2bw", "2bw", 8, "fp32"),
-                                                          ("async-zb", "stash", 4, "fp32"), ("async-zb", "stash", 4, "bf16")])
+@pytest.mark.parametrize("schedule,policy,n,precision", [
+    ("async-1f1b", "stash", 4, "fp32"), ("2bw", "2bw", 8, "fp32"), ("async-zb", "stash", 4, "fp32"),
+    ("async-zb", "stash", 4, "bf16")])
 def test_stash_pipelines_train_the_same_with_and_without_recomputation(schedule, policy, n, precision, one_thread):
     a = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision)
     b = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision,
