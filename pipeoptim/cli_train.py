@@ -115,6 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=200, help="schedule windows (train_step calls) to run")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL, a GPU per stage")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="training precision")
+    p.add_argument("--checkpoint-stages", type=_checkpoint_stages, default=None, metavar="SPEC",
+                   help="recompute activations in the backward (any --policy; the recomputation reads the weights the "
+                        "policy's backward reads): 'all', stages '0,1', or layers within a stage '0,1:0-2' (stage 0 "
+                        "whole, layers 0 to 2 of stage 1, each recomputed on its own) (default: none)")
     p.add_argument("--clip", type=_non_negative_float, default=1.0,
                    help="gradient clipping norm (0: off); with --resume a new value applies")
     p.add_argument("--run-dir", default="runs/train", help="checkpoint/, loss.png and history.json go here")
@@ -153,7 +157,8 @@ def recipe_names() -> list[str]:
 
 # the flags a recipe may set, as they are spelled on the command line
 RECIPE_FLAGS = {"schedule": "--schedule", "policy": "--policy", "optimizer": "--optimizer", "momentum": "--momentum",
-                "weight_decay": "--weight-decay", "delay_lr": "--delay-lr", "delay_momentum": "--delay-momentum", "delay_warmup": "--delay-warmup"}
+                "weight_decay": "--weight-decay", "delay_lr": "--delay-lr", "delay_momentum": "--delay-momentum",
+                "delay_warmup": "--delay-warmup"}
 
 
 def apply_recipe(args) -> None:
@@ -171,6 +176,30 @@ def apply_recipe(args) -> None:
                               f"{RECIPE_FLAGS[dest]} {given}; drop one of the two (pipeoptim.recipes says what the "
                               "recipe was measured with)")
         setattr(args, dest, value)
+
+
+def _checkpoint_stages(text: str):
+    """--checkpoint-stages: 'all' -> True; '0,1:0-2,1:5' -> {0: 'all', 1: [0, 1, 2, 5]} (Pipeline's forms)."""
+    if text.strip() == "all":
+        return True
+    out: dict[int, object] = {}
+    try:
+        for item in text.split(","):
+            stage, _, layers = item.strip().partition(":")
+            k = int(stage)
+            if not layers:
+                out[k] = "all"
+                continue
+            lo, _, hi = layers.partition("-")
+            chosen = list(range(int(lo), int(hi or lo) + 1))
+            if not chosen or min(chosen) < 0 or k < 0:
+                raise ValueError
+            if out.get(k) != "all":
+                out[k] = sorted(set(out.get(k, [])) | set(chosen))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'all', stage indices '0,1', or layers within a stage "
+                                         "'1:0-2' (stage 1, its layers 0 to 2)") from None
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -244,6 +273,16 @@ def _config(args) -> dict:
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
                     else f"{args.stages * args.dp} GPUs (one per stage and replica)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
+    if args.checkpoint_stages:
+        from .recompute import CheckpointStagesError, parse_checkpoint_stages
+        from .runtime.plan import ConfigError
+        from .partition import balance_by_layers   # the Pipeline's cut of the model's L + 2 layers (no torch)
+        try:
+            parse_checkpoint_stages(args.checkpoint_stages,
+                                    balance_by_layers(L + 2, stages_for(args.schedule, args.stages)))
+        except CheckpointStagesError as e:
+            raise ConfigError(f"--checkpoint-stages: {e.problem} (--model {args.model}, --stages {args.stages}, "
+                              f"--schedule {args.schedule})") from None
     if args.tokenizer and not args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
         raise ConfigError(f"--tokenizer needs a Hugging Face model (--model hf-gpt2 or hf-llama); --model "
@@ -421,7 +460,8 @@ def train_worker(cfg: dict) -> dict:
                     microbatches=cfg["microbatches"], clip_norm=cfg["clip"] or None, precision=cfg["precision"],
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
-                    policy_options=_policy_options(cfg), **model_kw)
+                    policy_options=_policy_options(cfg), checkpoint_stages=cfg.get("checkpoint_stages") or (),
+                    **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])

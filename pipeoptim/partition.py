@@ -8,10 +8,10 @@ as evenly as possible. Both return a balance: the number of layers per stage.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-from torch import nn
+if TYPE_CHECKING:   # torch is imported where layers are profiled: the counting rules serve the CLI without it
+    from torch import nn
 
 __all__ = ["balance_by_layers", "balance_by_time", "balance_by_cost", "profile_layers", "check_balance"]
 
@@ -66,7 +66,8 @@ def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:
     return out[::-1]
 
 
-def _as_tensors(y, i: int) -> tuple[torch.Tensor, ...]:
+def _as_tensors(y, i: int) -> tuple:
+    import torch
     if isinstance(y, torch.Tensor):
         return (y,)
     if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
@@ -77,6 +78,7 @@ def _as_tensors(y, i: int) -> tuple[torch.Tensor, ...]:
 
 def _sync(xs) -> None:
     if any(t.is_cuda for t in xs):
+        import torch
         torch.cuda.synchronize()
 
 
@@ -86,6 +88,7 @@ def profile_layers(layers: Sequence[nn.Module], sample, repeats: int = 3, prepar
 
     ``prepare(index, layer)`` returns the module to time in the layer's place (e.g. a temporary real copy of
     a meta-built layer, so a large model is profiled one layer at a time)."""
+    import torch
     costs = []
     xs = _as_tensors(sample, -1) if not isinstance(sample, torch.Tensor) else (sample,)
     for i, layer in enumerate(layers):

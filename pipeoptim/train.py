@@ -23,7 +23,11 @@ name; call ``train_step(batch)`` on every rank.
   or ``runtime.launch``) and builds only its own chunks.
 - The loss is scaled once (``Plan.loss_scale``); ``clip_norm`` clips by the global norm over the pipeline
   (synchronous schedules; per stage for asynchronous ones, see executor); ``precision="bf16"`` runs bf16
-  working weights under autocast over fp32 master weights; ``checkpoint_stages`` recomputes activations.
+  working weights under autocast over fp32 master weights.
+- ``checkpoint_stages`` recomputes activations in the backward, under every weight policy: ``True`` (every stage),
+  stage indices, or ``{stage: "all" | [layer indices within the stage]}`` (``recompute``). The recomputation
+  reads the weights the policy's backward reads (stash/2bw: the forward's version; pipeoptim: the real weights
+  then, or ``policy_options=dict(recompute_on="forward")`` for the forward's prediction; see ``policies.base``).
 - ``tied=[("0.tok.weight", "7.lm.weight")]``: parameters held on several stages that are one weight (tied
   embeddings). Copies start from the first name's value; before each step every copy's gradient becomes the
   sum over the copies (synchronous schedules only; see ``runtime.tied``); the global norm counts it once.
@@ -60,6 +64,7 @@ from .optim import as_optimizer
 from .model_cut import ModelCut, StageModule, as_layers, timing_copy
 from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
+from .recompute import parse_checkpoint_stages
 from .runtime.config import check_policy, make_schedule, stages_for
 from .runtime.data_parallel import check_dp, devices_per_replica
 from .runtime.emulator import Emulator
@@ -155,7 +160,8 @@ class Pipeline:
                  balance: Sequence[int] | str | None = None, sample=None, schedule: str = "1f1b",
                  policy: str | None = None, microbatches: int = 4, lr_scheduler: Callable | None = None,
                  schedule_options: dict | None = None, policy_options: dict | None = None,
-                 clip_norm: float | None = None, precision: str = "fp32", checkpoint_stages: Sequence[int] | bool = (),
+                 clip_norm: float | None = None, precision: str = "fp32",
+                 checkpoint_stages: Sequence[int] | dict | bool = (),
                  emulate: bool = False, device: str = "cpu", dp: int = 1, tied: Sequence[Sequence[str]] = (),
                  copies: Sequence[tuple[str, str]] = (), seed: int = 0,
                  init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
@@ -200,11 +206,6 @@ class Pipeline:
         self.plan = Plan(self.schedule)
         self.delay_rules = self._delay_rules(delay_hparams)
         self.eval_plan = Plan(self.schedule, forward_only=True)
-        if checkpoint_stages and self.policy_name != "none":
-            raise ConfigError("activation checkpointing recomputes a stage's forward during its backward, which "
-                              f"reads the backward's weights; with policy {self.policy_name!r} the forward read "
-                              "other weights, so gradients would be wrong. Use policy 'none' (any synchronous "
-                              "schedule) or turn checkpointing off")
         if tied and not self.schedule.synchronous:
             raise ConfigError(f"tied parameters need a synchronous schedule (gpipe, 1f1b, interleaved, chimera, "
                               f"bitpipe): under {self.schedule.name!r} the stages holding the copies step at different "
@@ -217,6 +218,7 @@ class Pipeline:
         else:
             self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
             cut = ModelCut.from_layers(layers, self.balance)
+        self.checkpoint_stages = parse_checkpoint_stages(checkpoint_stages, [len(n) for n in cut.names])
         self.devices, self.dp = devices, dp
         self.dp_rank = 0 if emulate else ctx.rank // devices  # this rank's pipeline replica (data_parallel)
         local = range(devices) if emulate else [ctx.rank % devices]
@@ -242,7 +244,7 @@ class Pipeline:
         copy_starts(starts, stage_of, modules, self.schedule, local, ctx, devices)
         if self._watch is not None:
             self._watch.working(BUILDING)
-        ckpt = set(range(n_stages)) if checkpoint_stages is True else set(checkpoint_stages or ())
+        ckpt = self.checkpoint_stages
         working = torch.bfloat16 if precision == "bf16" else None
         self.workers: list[DeviceWorker] = []
         for d in local:
@@ -318,7 +320,8 @@ class Pipeline:
             sched = DelayAwareHParams(opt, self.delay_rules, delay=self._delays[chunk.stage],
                                       max_delay=max(self._delays.values()), stages=self.schedule.num_stages,
                                       inner=sched)
-        return StageRuntime(chunk, module, opt, pol, sched, names, chunk.stage in ckpt)
+        pol.recompute = chunk.stage in ckpt
+        return StageRuntime(chunk, module, opt, pol, sched, names, ckpt.get(chunk.stage, False))
 
     # ---- running ----------------------------------------------------------------------------------------
     def _split(self, batch):

@@ -28,7 +28,8 @@ def _pipe(**kw):
     (dict(schedule="bitpipe", devices=4, microbatches=6, policy=None), "multiple"),
     (dict(devices=16), "layers"),
     (dict(balance=[1, 1, 1]), "entries"),
-    (dict(checkpoint_stages=True), "checkpointing"),
+    (dict(checkpoint_stages=[4]), "checkpoint_stages: the pipeline has no stage 4"),
+    (dict(checkpoint_stages={0: [2]}), "checkpoint_stages: stage 0 has no layer 2: it has 2"),
 ])
 def test_invalid_configurations_fail_with_the_rule(kw, words):
     with pytest.raises(ConfigError, match=words):
@@ -81,6 +82,7 @@ def test_global_clipping_limits_the_pipeline_norm():
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
+    """Synchronous: bit for bit. Every policy recomputes too (refused before issue 24): tests/test_recompute.py."""
     a = _pipe(schedule="1f1b", policy=None)
     b = _pipe(schedule="1f1b", policy=None, checkpoint_stages=True)
     for i in range(2):

@@ -46,6 +46,14 @@ Rules for the executor:
   optimizer's own state; `memory_report()` splits it by purpose. `peak_activation_bytes` is the most
   bytes that forwards in flight had saved for their backwards (each forward's saved storages counted
   once; weights excluded), which is what the schedule costs in activations on this stage.
+- Activation recomputation (checkpointing): the executor runs a checkpointed forward with
+  `recompute_context(mb)` as torch.utils.checkpoint's recompute context (`pipeoptim.recompute`); the
+  recomputation then runs inside `backward(mb, ...)` (once per part of a split backward) and the module's
+  parameters read `_recompute_buffers`: by default the buffers the backward's saved weights resolve to, so
+  the recomputed region's backward is computed at the very weights the backward reads (stash/2bw: the
+  forward's version, hence the forward bit for bit; none/pipeoptim: the real weights then; spectrain: its
+  backward prediction). Inside a checkpointed region weights are saved by the recomputation, not by
+  `SavedWeights`; `peak_activation_bytes` counts what the forward keeps (the region's inputs).
 """
 from __future__ import annotations
 
@@ -97,6 +105,9 @@ class WeightPolicy:
         self._act: dict[Hashable, int] = {}
         self._act_now = 0
         self.peak_activation_bytes = 0
+        # whether this stage's forwards are (partly) recomputed in their backward (set by the runtime): a policy
+        # that keeps something per forward for the recomputation (pipeoptim's recompute_on="forward") asks it
+        self.recompute = False
 
     # ---- the interface ----------------------------------------------------------------------------
 
@@ -177,6 +188,32 @@ class WeightPolicy:
             self._input_done.discard(mb)
             self._release(mb, self._in_flight.pop(mb))
             self._act_now -= self._act.pop(mb, 0)
+
+    @contextmanager
+    def recompute_context(self, mb: Hashable) -> Iterator[None]:
+        """Inside, the module's parameters read the weights micro-batch `mb`'s recomputed forward reads
+        (`_recompute_buffers`); outside, the real weights. Run by activation checkpointing around the
+        recomputation, which happens inside `backward(mb, ...)`.
+
+        The parameters are pointed at the buffers (`.data`), never swapped with them: the recomputation saves
+        aliases of what the parameters hold, and those must keep reading the same values until the backward
+        part that recomputed has used them, whatever a later prediction or step does to the real weights."""
+        if mb not in self._in_flight:
+            raise RuntimeError(f"{self.name}: recomputing the forward of micro-batch {mb!r}, which is not in flight "
+                               "on this stage; the recomputation runs inside policy.backward(mb) (activation "
+                               "checkpointing needs the policy's backward around torch.autograd's)")
+        groups = self.binding.groups
+        buffers = self._recompute_buffers(mb, self._in_flight[mb])
+        lent = [(g, b) for g, b in zip(groups, buffers) if b is not g.work]
+        for g, b in lent:
+            for j, p in enumerate(g.params):
+                p.data = g.view(b, j)
+        try:
+            yield
+        finally:
+            for g, _ in lent:
+                for j, p in enumerate(g.params):
+                    p.data = g.view(g.work, j)
 
     @property
     def in_flight(self) -> tuple:
@@ -297,6 +334,11 @@ class WeightPolicy:
     def _resolve(self, group: int, tag: Any) -> torch.Tensor:
         """The flat buffer a weight saved in a forward reads at backward time (default: the real weights)."""
         return self.binding.groups[group].work
+
+    def _recompute_buffers(self, mb: Hashable, tag: Any) -> list[torch.Tensor]:
+        """The flat buffers (one per group, laid out like its working weights) that mb's recomputed forward
+        reads; default: what its backward's saved weights read now (`_resolve`)."""
+        return [self._resolve(i, tag) for i in range(len(self.binding.groups))]
 
     def _gradient_done(self, mb: Hashable, tag: Any) -> None:
         """mb's gradient is complete in the gradient buffers (not called for a discarded micro-batch)."""

@@ -18,6 +18,13 @@ the uninterrupted one.
 `delta="last_update"`: Δ is the last update the optimizer applied instead of its own rule's (`last_update`: any
 optimizer, torch.optim.Muon and a ChainedOptimizer included; one more copy of the weights, saved by `state_dict()`).
 
+Activation recomputation (`recompute_on`, for stages the runtime checkpoints): "backward" (default) recomputes
+the forward on the real weights at backward time, the weights the backward reads and the prediction aimed at,
+so the recomputed region's gradient is the gradient at the real weights; no extra memory. "forward" keeps a copy
+of each in-flight forward's ŵ and recomputes on it (the forward's activations bit for bit, the backward inside
+the region then reads ŵ too): one copy of the working weights per micro-batch in flight, like a stash.
+benchmarks/probe_recompute_weights.py compares the two (README, "Activation recomputation").
+
 `step(next_s=s)` fuses the step with the next forward's prediction (one pass, sgd/adam/adamw in exact
 mode); the following `forward(mb, s)` then finds ŵ ready. A changed lr or s in between just predicts again.
 """
@@ -32,10 +39,11 @@ from torch import nn
 from ..flat import OPAQUE_RULE, rule_for
 from ..last_update import LastUpdate
 from ..predictor import Predictor
-from .base import WeightPolicy
+from .base import WeightPolicy, nbytes
 
 
 S_RULES = ("schedule", "paper", "reference")
+RECOMPUTE_ON = ("backward", "forward")
 DELTAS = ("optimizer", "last_update")
 
 
@@ -45,10 +53,14 @@ class PipeOptimPolicy(WeightPolicy):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, *, mode: str = "exact",
                  s_rule: str | None = None, stage: int | None = None, stages: int | None = None,
                  mechanism: str | None = None, backend: str = "auto", fused: bool = True, delta: str = "optimizer",
-                 **options):
+                 recompute_on: str = "backward", **options):
         s_rule = s_rule or ("reference" if mode == "reference" else "schedule")
         if s_rule not in S_RULES:
             raise ValueError(f"s_rule must be one of {', '.join(S_RULES)}, got {s_rule!r}")
+        if recompute_on not in RECOMPUTE_ON:
+            raise ValueError(f"recompute_on must be one of {', '.join(RECOMPUTE_ON)} (what a recomputed forward reads: "
+                             f"the real weights at backward time, or the forward's kept prediction), got "
+                             f"{recompute_on!r}")
         if delta not in DELTAS:
             raise ValueError(f"delta must be one of {', '.join(DELTAS)}, got {delta!r}")
         if delta == "last_update" and mode != "exact":
@@ -63,6 +75,9 @@ class PipeOptimPolicy(WeightPolicy):
         self.predictor = Predictor(self.binding, self.saved, mechanism=mechanism, mode=mode, backend=backend,
                                    direction=None if self.last_update is None else self.last_update.direction)
         self.fused = fused
+        self.recompute_on = recompute_on
+        self._kept: dict[Hashable, list[torch.Tensor]] = {}  # recompute_on="forward": mb -> its forward's ŵ
+        self._kept_pool: list[list[torch.Tensor]] = []
         self.s_rule = s_rule
         self.stage: int | None = None
         self.stages: int | None = None
@@ -95,7 +110,29 @@ class PipeOptimPolicy(WeightPolicy):
     @contextmanager
     def _forward_weights(self, mb: Hashable, s: float) -> Iterator[None]:
         with self.predictor.lend(s):
+            if (self.recompute_on == "forward" and self.recompute and torch.is_grad_enabled()
+                    and self.predictor.active(s)):
+                self._keep(mb)
             yield
+
+    def _keep(self, mb: Hashable) -> None:
+        """Copy the ŵ lent to the module now, for mb's recomputation (recompute_on="forward")."""
+        lent = self.predictor.buffers if self.predictor.mechanism == "pointer" else \
+            [g.work for g in self.binding.groups]  # swap: g.work's storage holds ŵ now; inplace: ŵ written into it
+        bufs = self._kept_pool.pop() if self._kept_pool else [torch.empty_like(b) for b in lent]
+        with torch.no_grad():
+            for buf, b in zip(bufs, lent):
+                buf.copy_(b)
+        self._kept[mb] = bufs
+
+    def _recompute_buffers(self, mb: Hashable, tag) -> list[torch.Tensor]:
+        kept = self._kept.get(mb)
+        return kept if kept is not None else super()._recompute_buffers(mb, tag)
+
+    def _release(self, mb: Hashable, tag) -> None:
+        kept = self._kept.pop(mb, None)
+        if kept is not None:
+            self._kept_pool.append(kept)
 
     def _apply_step(self, next_s: float | None) -> None:
         if next_s is not None:
@@ -110,6 +147,8 @@ class PipeOptimPolicy(WeightPolicy):
                   "last_grad": self.binding.extra_bytes()}
         if self.last_update is not None:
             report["last_update"] = self.last_update.nbytes()
+        if self._kept or self._kept_pool:
+            report["recompute_kept"] = sum(nbytes(b) for b in list(self._kept.values()) + self._kept_pool)
         return report
 
     def _state_entries(self, group: int) -> dict[str, torch.Tensor]:

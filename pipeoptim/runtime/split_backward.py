@@ -16,6 +16,11 @@ branch joins the path from the chunk's outputs to its inputs:
 A chunk whose inputs need no gradient (stage 0 reads token ids) has no input pass: its ``W`` runs the whole
 backward. Both passes run whatever saved-tensor hooks were active at the forward (the weight policy's), at the
 time each pass runs.
+
+Activation checkpointing (``pipeoptim.recompute``, torch's non-reentrant checkpoint) recomputes a region once per
+autograd call that reaches it: the input pass recomputes once, and the weight pass runs its calls (one per
+parameter group) in one ``torch.utils.checkpoint.GraphExecGroup``, so it recomputes once more, not once per group
+(the groups walk disjoint parts of the graph, which that context requires).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.checkpoint import GraphExecGroup
 
 __all__ = ["WeightGradWork", "input_pass", "weight_pass"]
 
@@ -207,28 +213,34 @@ def weight_pass(work: WeightGradWork) -> None:
             for p, g in zip(work.params, dws):
                 _accumulate(p, g)
         return
-    for group in work.groups:
-        edges, grads = [], []
-        for node in group.frontier:
-            for j, g in enumerate(group.grads.get(node, ())):
-                if g is not None:
-                    edges.append(GradientEdge(node, j))
-                    grads.append(g)
-        if not edges:
-            continue
-        pins = []
-        if len(group.frontier) > 1:   # a path from one frontier node to another must not add to the recorded one
-            for node in group.frontier:
-                recorded = group.grads.get(node)
-                if recorded is not None:
-                    pins.append(node.register_prehook(lambda _, r=recorded: r))
-        try:
-            dws = torch.autograd.grad(edges, [get_gradient_edge(p) for p in group.params], grads,
-                                      retain_graph=True, allow_unused=True)
-        finally:
-            for h in pins:
-                h.remove()
-        with torch.no_grad():
-            for p, g in zip(group.params, dws):
-                _accumulate(p, g)
+    with GraphExecGroup():
+        for group in work.groups:
+            _weight_group(group)
     work.groups = []
+
+
+def _weight_group(group: _Group) -> None:
+    """One parameter group's weight gradients, from its frontier nodes' recorded gradients."""
+    edges, grads = [], []
+    for node in group.frontier:
+        for j, g in enumerate(group.grads.get(node, ())):
+            if g is not None:
+                edges.append(GradientEdge(node, j))
+                grads.append(g)
+    if not edges:
+        return
+    pins = []
+    if len(group.frontier) > 1:   # a path from one frontier node to another must not add to the recorded one
+        for node in group.frontier:
+            recorded = group.grads.get(node)
+            if recorded is not None:
+                pins.append(node.register_prehook(lambda _, r=recorded: r))
+    try:
+        dws = torch.autograd.grad(edges, [get_gradient_edge(p) for p in group.params], grads,
+                                  retain_graph=True, allow_unused=True)
+    finally:
+        for h in pins:
+            h.remove()
+    with torch.no_grad():
+        for p, g in zip(group.params, dws):
+            _accumulate(p, g)

@@ -75,7 +75,7 @@ class StageRuntime:
     policy: object
     scheduler: object | None = None
     names: dict[str, str] = field(default_factory=dict)  # local name -> global name
-    checkpoint: bool = False
+    checkpoint: bool | str | tuple = False  # activation recomputation: False, True/"all" (whole chunk), layer indices
 
 
 class DeviceWorker:
@@ -132,7 +132,7 @@ class DeviceWorker:
         if self.train:
             with st.policy.forward(op.mb, s=self.plan.s_forward(op),
                                    lookahead=self.plan.s_backward.get((op.mb, op.chunk), 0)), self._autocast():
-                out = self._run_module(st, xs)
+                out = self._run_module(st, xs, op.mb)
                 loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
@@ -152,10 +152,11 @@ class DeviceWorker:
             return None
         return tuple(o.detach() for o in outs)
 
-    def _run_module(self, st: StageRuntime, xs: tuple):
-        if st.checkpoint:
-            from torch.utils.checkpoint import checkpoint
-            return checkpoint(st.module, *xs, use_reentrant=False)
+    def _run_module(self, st: StageRuntime, xs: tuple, mb):
+        if st.checkpoint:   # recomputed in the backward, on the weights the policy names (pipeoptim.recompute)
+            from ..recompute import ALL, run_stage
+            return run_stage(st.module, xs, ALL if st.checkpoint is True else st.checkpoint,
+                             lambda: st.policy.recompute_context(mb))
         return st.module(*xs)
 
     def backward(self, op: Backward | BackwardInput, grads: tuple | None) -> tuple | None:
