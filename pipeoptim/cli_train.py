@@ -5,7 +5,8 @@ The default is the project's showcase: 4 pipeline stages as 4 local processes on
 1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
 ``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
-per stage. ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
+per stage. Started by torchrun (``torchrun --nnodes N --nproc-per-node M ... -m pipeoptim.cli train``, on one
+machine or several), every process is one rank of the job instead (``cli_torchrun``). ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
 init, nothing downloaded) on the meta device, each rank materialising only its own stages
 (``pip install 'pipeoptim[hf]'``).
 
@@ -68,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
-    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes")
+    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
                    help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
                         "schedule trains")
@@ -190,10 +191,13 @@ def _config(args) -> dict:
                           "layers; use a bigger --model or fewer --stages")
     if args.device == "cuda":
         import torch
+        from .cli_torchrun import torchrun_env
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < (1 if args.emulate else args.stages):
+        here = torchrun_env()  # under torchrun: this node's processes, one GPU each
+        if found < (1 if args.emulate else here.local_world_size if here else args.stages):
             from .runtime.plan import ConfigError
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
+                    else f"{here.local_world_size} GPUs on this node (one per process torchrun starts here)" if here
                     else f"{args.stages} GPUs (one per stage)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
     if args.tokenizer and not args.model.startswith("hf-"):
@@ -270,7 +274,8 @@ def _cores() -> int:
 
 def _oversubscribed(cfg: dict) -> bool:
     """More CPU ranks than cores: a rank's idle share then includes waiting for a core, not only the bubble."""
-    return cfg["device"] == "cpu" and not cfg["emulate"] and cfg["stages"] > cfg.get("cores", cfg["stages"])
+    here = cfg.get("local_ranks", cfg["stages"])  # under torchrun: this node's ranks
+    return cfg["device"] == "cpu" and not cfg["emulate"] and here > cfg.get("cores", here)
 
 
 def _optimizer(cfg):
@@ -674,6 +679,10 @@ def _idle_words(cfg: dict, percent: float) -> str:
 
 
 def run(args) -> int:
+    from .cli_torchrun import torchrun_env
+    if torchrun_env() is not None:  # started by torchrun: this process is one rank of the job
+        from .cli_torchrun import run_rank
+        return run_rank(args)
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.plan import ConfigError, PipelineError
     ckpt_root = os.path.join(args.run_dir, "checkpoint")
@@ -688,10 +697,7 @@ def run(args) -> int:
                 except (FileNotFoundError, CheckpointError) as e:
                     raise ConfigError(f"--resume: {e}") from None
                 if at >= args.steps:  # nothing to train, nothing to save: the checkpoint stays as it is
-                    done = extra.get("history") or [{}]
-                    print(f"nothing to do: step {at} of {args.steps} already reached ({cfg['resume_from']})",
-                          file=sys.stderr)
-                    print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
+                    _nothing_to_do(at, args.steps, cfg["resume_from"], extra)
                     return 0
                 print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
             from .runtime.launcher import JobInterrupted, launch  # loads torch
@@ -718,6 +724,17 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
         return 2
+    return report(result, cfg, args, t0)
+
+
+def _nothing_to_do(at: int, steps: int, resume_from: str, extra: dict) -> None:
+    done = extra.get("history") or [{}]
+    print(f"nothing to do: step {at} of {steps} already reached ({resume_from})", file=sys.stderr)
+    print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
+
+
+def report(result: dict, cfg: dict, args, t0: float) -> int:
+    """Print the run's summary and ``final loss``; the exit status (``NONFINITE_EXIT`` after a NaN stop)."""
     hist = result["history"][result.get("start", 0):]  # this run's steps: not the resumed run's
     if not hist:
         print(f"nothing to do: step {result.get('start', 0)} of {args.steps} already reached", file=sys.stderr)
