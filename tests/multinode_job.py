@@ -18,12 +18,12 @@ from torch import nn
 STEPS = 3
 
 
-def tiny_pipeline():
+def tiny_pipeline(**kw):
     from pipeoptim.train import Pipeline
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
     return Pipeline(layers, loss_fn=lambda y, t: (y - t).pow(2).mean(), schedule="1f1b", microbatches=4,
-                    optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+                    optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), **kw)
 
 
 def batch(step: int):

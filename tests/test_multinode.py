@@ -112,6 +112,12 @@ def _losses(path) -> list[float]:
     return [float(line) for line in open(path).read().split()]
 
 
+def _losses_emulated() -> list[float]:
+    import multinode_job
+    pipe = multinode_job.tiny_pipeline(emulate=True, devices=4)
+    return [pipe.train_step(multinode_job.batch(step)) for step in range(multinode_job.STEPS)]
+
+
 @pytest.fixture(scope="module")
 def pipeline_on_two_nodes(tmp_path_factory):
     """The two-node Pipeline job, trained its STEPS steps and training on (``--then-wait``) until a test
@@ -129,6 +135,7 @@ def pipeline_on_two_nodes(tmp_path_factory):
 def test_pipeline_on_two_nodes_has_the_losses_of_one_four_process_run(pipeline_on_two_nodes):
     nodes, one, two = pipeline_on_two_nodes
     assert len(one) == 3 and two == one  # bit for bit: the same ranks, the same gloo reductions
+    assert _losses_emulated() == one  # and the emulator's (one process), as tests/test_runtime.py has it
     # the c10d rendezvous store listens on every interface, even for a loopback endpoint (the README says so)
     assert nodes.store_addresses and set(nodes.store_addresses) <= {"0.0.0.0", "::"}, nodes.store_addresses
 
@@ -154,6 +161,27 @@ def test_a_killed_agent_ends_the_job_naming_it(pipeline_on_two_nodes):
     assert "Root Cause" in node0.text() and "exitcode  : 3" in node0.text(), text  # torchrun's own report
     assert gone < KILL_BOUND_S, f"{gone:.1f} s to a clean end"
     print(f"node 0's agent ended {ended:.1f} s after node 1's agent was killed; every process gone at {gone:.1f} s")
+
+
+def test_the_agent_hosting_the_store_killed_ends_the_job_naming_it(tmp_path):
+    """SIGKILL to node 0's agent, which hosts both stores (c10d's rendezvous and the workers'): node 1's ranks
+    lose the store and say whose it was, node 0's orphaned ranks end too, node 1's agent ends non-zero."""
+    nodes = TwoNodes(tmp_path, [JOB, str(tmp_path / "losses.txt"), "--then-wait"])
+    node0, node1 = nodes.jobs
+    fh.wait_for(str(tmp_path / "losses.txt"), node0, timeout=START_S)
+    for job in nodes.jobs:
+        job.members()
+    t0 = time.monotonic()
+    os.kill(node0.proc.pid, signal.SIGKILL)
+    code = node1.wait(KILL_BOUND_S)
+    ended = time.monotonic() - t0
+    gone = ended + max(node0.ended_cleanly(), node1.ended_cleanly())
+    text = nodes.text()
+    assert code != 0, text
+    assert "lost the rendezvous store at" in node1.text(), text
+    assert "the torchrun agent of node 0 (the job's first node: it hosts the store) has ended" in node1.text(), text
+    assert gone < KILL_BOUND_S, f"{gone:.1f} s to a clean end"
+    print(f"node 1's agent ended {ended:.1f} s after node 0's agent was killed; every process gone at {gone:.1f} s")
 
 
 def test_pipeoptim_train_on_two_nodes_has_the_losses_of_one_four_process_run(tmp_path):

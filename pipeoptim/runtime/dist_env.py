@@ -79,12 +79,21 @@ def torchrun_agent() -> tuple[int, str | None] | None:
         with open(f"/proc/{parent}/comm") as f:
             comm = f.read().strip()
         with open(f"/proc/{parent}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            argv = f.read().decode(errors="replace").split("\0")
     except OSError:  # no /proc (not Linux), or the parent is gone already
         return None
-    if comm != "pt_elastic" and "torchrun" not in cmdline and "torch.distributed.run" not in cmdline:
+    if comm != "pt_elastic" and not _runs_torchrun(argv):
         return None
     return parent, os.environ.get("GROUP_RANK")
+
+
+def _runs_torchrun(argv: list[str]) -> bool:
+    """Whether a command line is torchrun's: ``torchrun ...``, ``python .../torchrun ...`` or ``python -m
+    torch.distributed.run ...`` (not any command that merely mentions it, such as a test file's name)."""
+    names = [os.path.basename(a) for a in argv[:2]]
+    if "torchrun" in names:
+        return True
+    return any(a == "-m" and b == "torch.distributed.run" for a, b in zip(argv, argv[1:]))
 
 
 def _abort_communicators() -> None:

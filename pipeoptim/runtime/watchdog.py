@@ -177,8 +177,12 @@ class Watchdog:
         except Exception as e:
             if self._stop.is_set():
                 return None
-            return (f"lost the rendezvous store ({type(e).__name__}: {e}); the launcher or the process hosting "
-                    "the store has ended")
+            where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") else ""
+            host = ("the torchrun agent of node 0 (the job's first node: it hosts the store) has ended: killed, or "
+                    "its machine is gone" if self.agent_pid is not None else
+                    "the launcher or the process hosting the store has ended")
+            first = str(e).splitlines()[0] if str(e) else ""
+            return f"lost the rendezvous store{where} ({type(e).__name__}: {first}); {host}"
 
     def _beat(self) -> None:
         d = self._doing
