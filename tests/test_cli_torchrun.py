@@ -65,3 +65,39 @@ def test_without_torchrun_no_agent_is_watched(monkeypatch):
 def test_a_torchrun_command_line_is_told_from_one_that_mentions_it(argv, agent):
     from pipeoptim.runtime.dist_env import _runs_torchrun
     assert _runs_torchrun(argv) is agent
+
+
+CLAIMS = r'''
+import sys
+from pipeoptim.cli_train import main
+common = ["--model", "tiny", "--stages", "1", "--schedule", "1f1b", "--microbatches", "2", "--microbatch-size", "1",
+          "--no-progress", "--save-every", "0", "--eval-every", "0", "--run-dir", sys.argv[1]]
+codes = [main(common + ["--steps", "2"]), main(common + ["--steps", "2"]),
+         main(common + ["--steps", "3", "--resume"]), main(common + ["--steps", "3", "--resume"])]
+print("codes", codes)
+'''
+
+
+def test_rank_zero_claims_the_run_directory_and_every_rank_acts_on_it(tmp_path):
+    """One process as a torchrun job of one rank (rank 0 hosts the store: no agent), four runs in one
+    directory: a fresh run; a second one without --resume, refused (the claim's error reaches every rank);
+    --resume, which continues from rank 0's checkpoint; --resume once --steps is reached: nothing to do."""
+    import socket
+    import subprocess
+    import sys
+
+    import fault_harness as fh
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = fh.env(TORCHELASTIC_RUN_ID="t", RANK=0, WORLD_SIZE=1, LOCAL_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=port)
+    env.pop("PIPEOPTIM_LAUNCHED", None)
+    run = subprocess.run([sys.executable, "-c", CLAIMS, str(tmp_path / "run")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert "codes [0, 2, 0, 0]" in out, out
+    assert "holds an earlier run (checkpoints up to step 2" in out, out
+    assert "resuming from" in out and "(step 2 of 3)" in out, out
+    assert "nothing to do: step 3 of 3 already reached" in out, out
+    assert out.count("final loss: ") == 3, out
