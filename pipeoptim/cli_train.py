@@ -272,9 +272,14 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _ranks_here(cfg: dict) -> int:
+    """The ranks that run on this machine: every stage, or under torchrun this node's processes."""
+    return cfg.get("local_ranks", cfg["stages"])
+
+
 def _oversubscribed(cfg: dict) -> bool:
     """More CPU ranks than cores: a rank's idle share then includes waiting for a core, not only the bubble."""
-    here = cfg.get("local_ranks", cfg["stages"])  # under torchrun: this node's ranks
+    here = _ranks_here(cfg)
     return cfg["device"] == "cpu" and not cfg["emulate"] and here > cfg.get("cores", here)
 
 
@@ -400,7 +405,7 @@ def train_worker(cfg: dict) -> dict:
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
         if idle == "idle":
-            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(**cfg)}", file=sys.stderr)
+            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(here=_ranks_here(cfg), **cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
     val_batch = corpus.batch("val", B, cfg["seq_len"], torch.Generator().manual_seed(1234))  # one, fixed
@@ -450,7 +455,7 @@ def train_worker(cfg: dict) -> dict:
             "checkpoint": directory, "start": resumed}
 
 
-_OVERSUBSCRIBED = ("{stages} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
+_OVERSUBSCRIBED = ("{here} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
                    "which here includes waiting for a core, so it measures the machine more than the schedule's "
                    "bubble (pipeoptim schedule NAME -D {stages} -N {microbatches} gives the schedule's own)")
 
@@ -673,7 +678,7 @@ def _claim_run_dir(args, ckpt_root: str) -> None:
 
 def _idle_words(cfg: dict, percent: float) -> str:
     if _oversubscribed(cfg):
-        return (f"idle {percent:.0f}% ({cfg['stages']} ranks on {cfg['cores']} core(s): it measures the machine, "
+        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the machine, "
                 "not the schedule's bubble); ")
     return f"bubble {percent:.0f}%; "
 
