@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["ABORT_KEY", "FAILED_EXIT", "ABORT_EXIT", "STALL_EXIT", "ORPHAN_EXIT", "publish", "published", "describe_exit",
-           "signal_name", "killed_message", "is_connection_loss"]
+__all__ = ["ABORT_KEY", "FAILED_EXIT", "ABORT_EXIT", "STALL_EXIT", "ORPHAN_EXIT", "publish", "published",
+           "describe_exit", "signal_name", "killed_message", "is_connection_loss"]
 
 ABORT_KEY = "pipeoptim/abort"
 FAILED_EXIT = 1  # this rank raised; its error is the published reason or came after it
