@@ -157,7 +157,6 @@ def test_a_killed_agent_ends_the_job_naming_it(pipeline_on_two_nodes):
     said = re.search(r"the torchrun agent of node (\d) \(pid (\d+) on [^)]*\) has ended without stopping its "
                      r"workers", node0.text())
     assert said and int(said.group(2)) == node1.proc.pid, text  # node 0's ranks read the reason: node 1's agent
-    assert "stopping: the torchrun agent of node" in node0.text(), text
     assert "Root Cause" in node0.text() and "exitcode  : 3" in node0.text(), text  # torchrun's own report
     assert gone < KILL_BOUND_S, f"{gone:.1f} s to a clean end"
     print(f"node 0's agent ended {ended:.1f} s after node 1's agent was killed; every process gone at {gone:.1f} s")

@@ -188,3 +188,11 @@ def test_a_rank_whose_torchrun_agent_is_gone_ends_itself_and_says_why(store):
         "workers" in reason and "so rank 1 (pid " in reason, reason
     assert f"[pipeoptim rank 1] {reason}" in proc.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_a_rank_that_was_not_first_learns_the_cause(store):
+    """The executor raises the published cause, not only its own symptom (under torchrun nothing else tells)."""
+    a, b = Watchdog(store(), 0, 2), Watchdog(store(), 1, 2)
+    assert a.signal("rank 0: the cause") is True and a.cause == "rank 0: the cause"
+    assert b.signal("rank 1: Connection closed by peer", symptom=True) is False
+    assert b.cause == "rank 0: the cause"

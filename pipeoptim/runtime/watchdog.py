@@ -81,6 +81,7 @@ class Watchdog:
         self._doing = _IDLE
         self._origin = False
         self.won: bool | None = None
+        self.cause: str | None = None  # the job's published reason to end, once ``signal`` read it
         self._count = 0
         self._host = socket.gethostname()
         self._stop = threading.Event()
@@ -139,7 +140,8 @@ class Watchdog:
         """Publish this rank's failure as the job's reason to end; True if it is the first (the cause).
 
         ``symptom``: the failure only says a peer's connection went away; the process that knows why (the
-        launcher, for a rank killed by a signal) gets ``SYMPTOM_DELAY_S`` to publish that first."""
+        launcher, for a rank killed by a signal) gets ``SYMPTOM_DELAY_S`` to publish that first. Not the first:
+        ``cause`` holds the reason that was."""
         self._origin = True
         if self.won is not None:
             return self.won
@@ -147,7 +149,7 @@ class Watchdog:
             deadline = time.monotonic() + (SYMPTOM_DELAY_S if symptom else 0.0)
             while time.monotonic() < deadline and published(self.store) is None:
                 time.sleep(0.05)
-            self.won, _ = publish(self.store, message)
+            self.won, self.cause = publish(self.store, message)
         except Exception:  # the store is gone: the launcher still ends the other ranks
             self.won = False
         return self.won
