@@ -196,3 +196,11 @@ def test_a_rank_that_was_not_first_learns_the_cause(store):
     assert a.signal("rank 0: the cause") is True and a.cause == "rank 0: the cause"
     assert b.signal("rank 1: Connection closed by peer", symptom=True) is False
     assert b.cause == "rank 0: the cause"
+
+
+def test_a_rank_that_cannot_reach_the_store_learns_that_it_is_gone():
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    w = Watchdog(dist.TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2)), 1, 2)
+    del server  # the process hosting the store ends
+    assert w.signal("rank 1: Connection closed by peer", symptom=True) is False
+    assert w.cause.startswith("lost the rendezvous store at 127.0.0.1:") and "hosting the store has ended" in w.cause

@@ -150,8 +150,8 @@ class Watchdog:
             while time.monotonic() < deadline and published(self.store) is None:
                 time.sleep(0.05)
             self.won, self.cause = publish(self.store, message)
-        except Exception:  # the store is gone: the launcher still ends the other ranks
-            self.won = False
+        except Exception as e:  # the store is gone: the launcher still ends the other ranks
+            self.won, self.cause = False, self._lost_store(e)
         return self.won
 
     # ---- the thread ------------------------------------------------------------------------------------
@@ -179,12 +179,16 @@ class Watchdog:
         except Exception as e:
             if self._stop.is_set():
                 return None
-            where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") else ""
-            host = ("the torchrun agent of node 0 (the job's first node: it hosts the store) has ended: killed, or "
-                    "its machine is gone" if self.agent_pid is not None else
-                    "the launcher or the process hosting the store has ended")
-            first = str(e).splitlines()[0] if str(e) else ""
-            return f"lost the rendezvous store{where} ({type(e).__name__}: {first}); {host}"
+            return self._lost_store(e)
+
+    def _lost_store(self, e: Exception) -> str:
+        """Why the job ends when the store stopped answering: whoever hosts it has ended."""
+        where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") else ""
+        host = ("the torchrun agent of node 0 (the job's first node: it hosts the store) has ended: killed, or its "
+                "machine is gone" if self.agent_pid is not None else
+                "the launcher or the process hosting the store has ended")
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"lost the rendezvous store{where} ({type(e).__name__}: {first}); {host}"
 
     def _beat(self) -> None:
         d = self._doing
