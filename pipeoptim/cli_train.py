@@ -6,9 +6,9 @@ The default is the project's showcase: 4 pipeline stages as 4 local processes on
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
 ``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
 per stage. Started by torchrun (``torchrun --nnodes N --nproc-per-node M ... -m pipeoptim.cli train``, on one
-machine or several), every process is one rank of the job instead (``cli_torchrun``). ``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random
-init, nothing downloaded) on the meta device, each rank materialising only its own stages
-(``pip install 'pipeoptim[hf]'``).
+machine or several), every process is one rank of the job instead (``cli_torchrun``). ``--model hf-gpt2`` /
+``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random init, nothing downloaded) on the
+meta device, each rank materialising only its own stages (``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
-    p.add_argument("--stages", type=_positive_int, default=4, help="pipeline devices = processes (under torchrun: its WORLD_SIZE)")
+    p.add_argument("--stages", type=_positive_int, default=4,
+                   help="pipeline devices = processes (under torchrun: its WORLD_SIZE)")
     p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
                    help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
                         "schedule trains")
@@ -678,8 +679,8 @@ def _claim_run_dir(args, ckpt_root: str) -> None:
 
 def _idle_words(cfg: dict, percent: float) -> str:
     if _oversubscribed(cfg):
-        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the machine, "
-                "not the schedule's bubble); ")
+        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the "
+                "machine, not the schedule's bubble); ")
     return f"bubble {percent:.0f}%; "
 
 
