@@ -8,9 +8,10 @@ checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final
 per stage. ``--dp 2`` runs two data-parallel replicas of the pipeline (``--stages`` x ``--dp`` processes): each
 window draws ``dp`` x the batch and replica q trains on its q-th share (``runtime.data_parallel``), so a window
 sees ``dp`` times the rows and, for a synchronous schedule, updates as one pipeline on that doubled batch.
-``--model hf-gpt2`` / ``hf-llama`` train a Hugging Face GPT-2 / Llama built from a config (random init, nothing
-downloaded) on the meta device, each rank materialising only its own stages
-(``pip install 'pipeoptim[hf]'``).
+Started by torchrun (``torchrun --nnodes N --nproc-per-node M ... -m pipeoptim.cli train``, on one machine or
+several), every process is one rank of the job instead (``cli_torchrun``). ``--model hf-gpt2`` / ``hf-llama``
+train a Hugging Face GPT-2 / Llama built from a config (random init, nothing downloaded) on the meta device, each
+rank materialising only its own stages (``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
@@ -72,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
     p.add_argument("--stages", type=_positive_int, default=4,
-                   help="pipeline devices per replica (processes = stages x dp)")
+                   help="pipeline devices per replica (processes = stages x dp; under torchrun its WORLD_SIZE "
+                        "must be stages x dp)")
     p.add_argument("--dp", type=_positive_int, default=1,
                    help="data-parallel replicas of the pipeline: each trains on its own share of a batch dp times "
                         "as large (--microbatches x --microbatch-size rows each); synchronous schedules average the "
@@ -267,10 +269,13 @@ def _config(args) -> dict:
                           f"--microbatch-size {args.microbatch_size * args.dp}")
     if args.device == "cuda":
         import torch
+        from .cli_torchrun import torchrun_env
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if found < (1 if args.emulate else args.stages * args.dp):
+        here = torchrun_env()  # under torchrun: this node's processes, one GPU each
+        if found < (1 if args.emulate else here.local_world_size if here else args.stages * args.dp):
             from .runtime.plan import ConfigError
             need = ("a GPU (--emulate runs every stage on one)" if args.emulate
+                    else f"{here.local_world_size} GPUs on this node (one per process torchrun starts here)" if here
                     else f"{args.stages * args.dp} GPUs (one per stage and replica)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
     if args.checkpoint_stages:
@@ -355,14 +360,15 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def _ranks_here(cfg: dict) -> int:
+    """The ranks that run on this machine: every stage of every replica, or under torchrun this node's processes."""
+    return cfg.get("local_ranks", cfg["stages"] * cfg.get("dp", 1))
+
+
 def _oversubscribed(cfg: dict) -> bool:
     """More CPU ranks than cores: a rank's idle share then includes waiting for a core, not only the bubble."""
-    return cfg["device"] == "cpu" and not cfg["emulate"] and _ranks(cfg) > cfg.get("cores", _ranks(cfg))
-
-
-def _ranks(cfg: dict) -> int:
-    """Processes of a run that is not emulated: every stage of every data-parallel replica."""
-    return cfg["stages"] * cfg.get("dp", 1)
+    here = _ranks_here(cfg)
+    return cfg["device"] == "cpu" and not cfg["emulate"] and here > cfg.get("cores", here)
 
 
 def _optimizer(cfg):
@@ -491,7 +497,7 @@ def train_worker(cfg: dict) -> dict:
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
         if idle == "idle":
-            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(ranks=_ranks(cfg), **cfg)}", file=sys.stderr)
+            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(here=_ranks_here(cfg), **cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
     mine = lambda batch: replica_rows(batch, pipe.dp_rank, dp)  # noqa: E731  (this replica's rows)
@@ -542,7 +548,7 @@ def train_worker(cfg: dict) -> dict:
             "checkpoint": directory, "start": resumed}
 
 
-_OVERSUBSCRIBED = ("{ranks} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
+_OVERSUBSCRIBED = ("{here} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
                    "which here includes waiting for a core, so it measures the machine more than the schedule's "
                    "bubble (pipeoptim schedule NAME -D {stages} -N {microbatches} gives the schedule's own)")
 
@@ -765,12 +771,16 @@ def _claim_run_dir(args, ckpt_root: str) -> None:
 
 def _idle_words(cfg: dict, percent: float) -> str:
     if _oversubscribed(cfg):
-        return (f"idle {percent:.0f}% ({_ranks(cfg)} ranks on {cfg['cores']} core(s): it measures the machine, "
-                "not the schedule's bubble); ")
+        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the "
+                "machine, not the schedule's bubble); ")
     return f"bubble {percent:.0f}%; "
 
 
 def run(args) -> int:
+    from .cli_torchrun import torchrun_env
+    if torchrun_env() is not None:  # started by torchrun: this process is one rank of the job
+        from .cli_torchrun import run_rank
+        return run_rank(args)
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.plan import ConfigError, PipelineError
     ckpt_root = os.path.join(args.run_dir, "checkpoint")
@@ -785,10 +795,7 @@ def run(args) -> int:
                 except (FileNotFoundError, CheckpointError) as e:
                     raise ConfigError(f"--resume: {e}") from None
                 if at >= args.steps:  # nothing to train, nothing to save: the checkpoint stays as it is
-                    done = extra.get("history") or [{}]
-                    print(f"nothing to do: step {at} of {args.steps} already reached ({cfg['resume_from']})",
-                          file=sys.stderr)
-                    print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
+                    _nothing_to_do(at, args.steps, cfg["resume_from"], extra)
                     return 0
                 print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
             from .runtime.launcher import JobInterrupted, launch  # loads torch
@@ -815,6 +822,17 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
         return 2
+    return report(result, cfg, args, t0)
+
+
+def _nothing_to_do(at: int, steps: int, resume_from: str, extra: dict) -> None:
+    done = extra.get("history") or [{}]
+    print(f"nothing to do: step {at} of {steps} already reached ({resume_from})", file=sys.stderr)
+    print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
+
+
+def report(result: dict, cfg: dict, args, t0: float) -> int:
+    """Print the run's summary and ``final loss``; the exit status (``NONFINITE_EXIT`` after a NaN stop)."""
     hist = result["history"][result.get("start", 0):]  # this run's steps: not the resumed run's
     if not hist:
         print(f"nothing to do: step {result.get('start', 0)} of {args.steps} already reached", file=sys.stderr)

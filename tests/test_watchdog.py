@@ -153,7 +153,54 @@ def test_exit_codes_and_signals_are_described():
     assert faults.describe_exit(-9) == "killed by SIGKILL"
     assert faults.describe_exit(faults.ABORT_EXIT) == "stopped after another process ended the job"
     assert faults.describe_exit(faults.STALL_EXIT) == "its watchdog found the job stuck"
+    assert faults.describe_exit(faults.ORPHAN_EXIT) == "its torchrun agent was gone, so it ended itself"
     text = faults.killed_message(2, 1234, 9, 4)
     assert text.startswith("rank 2 of 4 (pid 1234) was killed by SIGKILL (signal 9)") and "out-of-memory" in text
     assert faults.is_connection_loss(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:123"))
     assert not faults.is_connection_loss(RuntimeError("shapes cannot be multiplied"))
+
+
+ORPHAN = r"""
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from pipeoptim.runtime.watchdog import Watchdog
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, is_master=False, timeout=timedelta(seconds=10))
+Watchdog(store, 1, 2, agent_pid=int(sys.argv[2]), node="1").start()
+time.sleep(60)  # the watchdog ends this process long before
+"""
+
+
+def test_a_rank_whose_torchrun_agent_is_gone_ends_itself_and_says_why(store):
+    """A worker's agent (its parent) killed outright left it training on as an orphan (issue 24): the watchdog
+    sees another parent than the agent it was given, publishes why and ends the process (exit ORPHAN_EXIT)."""
+    import os
+    import subprocess
+    import sys
+    server = store()
+    gone = 999_999_999  # no process has this pid, so it is not this process's parent: "the agent is gone"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", ORPHAN, str(server.port), str(gone)], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert proc.returncode == faults.ORPHAN_EXIT, proc.stderr
+    reason = faults.published(server)
+    assert reason.startswith(f"the torchrun agent of node 1 (pid {gone} on ") and "has ended without stopping its " \
+        "workers" in reason and "so rank 1 (pid " in reason, reason
+    assert f"[pipeoptim rank 1] {reason}" in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_rank_that_was_not_first_learns_the_cause(store):
+    """The executor raises the published cause, not only its own symptom (under torchrun nothing else tells)."""
+    a, b = Watchdog(store(), 0, 2), Watchdog(store(), 1, 2)
+    assert a.signal("rank 0: the cause") is True and a.cause == "rank 0: the cause"
+    assert b.signal("rank 1: Connection closed by peer", symptom=True) is False
+    assert b.cause == "rank 0: the cause"
+
+
+def test_a_rank_that_cannot_reach_the_store_learns_that_it_is_gone():
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=2))
+    w = Watchdog(dist.TCPStore("127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2)), 1, 2)
+    del server  # the process hosting the store ends
+    assert w.signal("rank 1: Connection closed by peer", symptom=True) is False
+    assert w.cause.startswith("lost the rendezvous store at 127.0.0.1:") and "hosting the store has ended" in w.cause

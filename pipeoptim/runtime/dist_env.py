@@ -11,6 +11,10 @@ The watchdog starts before the rendezvous, busy with it as with a collective: a 
 (frozen or stuck before it joins) is named within the same bound as a step, not after the process group's
 30-minute timeout.
 
+Under torchrun the watchdog also watches the node's agent (this process's parent): an agent killed outright
+leaves its workers running as orphans that nobody reports or stops, so they end themselves, publishing why
+(``watchdog``), and the other nodes' ranks stop with that reason.
+
 The process group's own timeout (gloo's and NCCL's) is a backstop set well above the watchdog's: the
 watchdog ends a stuck job first, with a message naming the rank that holds it up.
 """
@@ -28,7 +32,7 @@ from . import rendezvous
 from .plan import ConfigError, PipelineError
 from .watchdog import COLLECTIVE, DEFAULT_TIMEOUT_S, Watchdog
 
-__all__ = ["DistContext", "init_from_env", "current_watch", "watchdog_timeout_from_env"]
+__all__ = ["DistContext", "init_from_env", "current_watch", "watchdog_timeout_from_env", "torchrun_agent"]
 
 WATCHDOG_ENV = "PIPEOPTIM_WATCHDOG_S"
 PG_TIMEOUT_S = 1800.0
@@ -63,6 +67,35 @@ def watchdog_timeout_from_env() -> float | None:
     return value
 
 
+def torchrun_agent() -> tuple[int, str | None] | None:
+    """(pid, node rank) of the torchrun agent that started this process, or None when torchrun did not
+    (``runtime.launch``'s workers die with their launcher already). The parent counts as the agent only when
+    it is one (torch names its process ``pt_elastic``, or its command line runs torchrun): a process started
+    through a wrapper that exits early must not take its wrapper's end for its agent's."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("PIPEOPTIM_LAUNCHED") == "1":
+        return None
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/comm") as f:
+            comm = f.read().strip()
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:  # no /proc (not Linux), or the parent is gone already
+        return None
+    if comm != "pt_elastic" and not _runs_torchrun(argv):
+        return None
+    return parent, os.environ.get("GROUP_RANK")
+
+
+def _runs_torchrun(argv: list[str]) -> bool:
+    """Whether a command line is torchrun's: ``torchrun ...``, ``python .../torchrun ...`` or ``python -m
+    torch.distributed.run ...`` (not any command that merely mentions it, such as a test file's name)."""
+    names = [os.path.basename(a) for a in argv[:2]]
+    if "torchrun" in names:
+        return True
+    return any(a == "-m" and b == "torch.distributed.run" for a, b in zip(argv, argv[1:]))
+
+
 def _abort_communicators() -> None:
     """NCCL kernels may still wait on a peer when the watchdog ends the process: abort the communicators
     first so the exit does not wait for them (gloo has nothing to abort)."""
@@ -95,8 +128,10 @@ def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: flo
         raise PipelineError(f"rank {rank}: the rendezvous store at {host}:{port} did not answer within {bound:.0f} s "
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {host_of}, or "
                             "MASTER_ADDR/MASTER_PORT do not name it") from None
+    agent_pid, node = torchrun_agent() or (None, None)
     _WATCH = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
-                      quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1", before_exit=_abort_communicators)
+                      quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1", before_exit=_abort_communicators,
+                      agent_pid=agent_pid, node=node)
     _WATCH.doing(RENDEZVOUS, COLLECTIVE)
     _WATCH.start()
     atexit.register(_WATCH.stop)  # a rank that finished says so (peers that still wait will name it)

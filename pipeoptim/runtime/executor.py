@@ -187,8 +187,10 @@ class Executor:
             raise
         except Exception as e:
             message = describe_failure(self.rank, self.me, plan, action, e)
-            if self.watch is not None:
-                self.watch.signal(message, symptom=is_connection_loss(e))
+            if self.watch is not None and not self.watch.signal(message, symptom=is_connection_loss(e)):
+                cause = self.watch.cause  # another process said first why the job ends: that is what to read
+                if cause and cause != message:  # (under torchrun no launcher prints it for this rank)
+                    message = f"{cause}\n(so rank {self.rank} then failed: {message})"
             raise PipelineError(message) from e
         finally:
             if self.watch is not None:

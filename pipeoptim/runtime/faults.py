@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["ABORT_KEY", "FAILED_EXIT", "ABORT_EXIT", "STALL_EXIT", "publish", "published", "describe_exit",
-           "signal_name", "killed_message", "is_connection_loss"]
+__all__ = ["ABORT_KEY", "FAILED_EXIT", "ABORT_EXIT", "STALL_EXIT", "ORPHAN_EXIT", "publish", "published",
+           "describe_exit", "signal_name", "killed_message", "is_connection_loss"]
 
 ABORT_KEY = "pipeoptim/abort"
 FAILED_EXIT = 1  # this rank raised; its error is the published reason or came after it
 ABORT_EXIT = 3   # this rank stopped because the job ended for a reason published by another process
 STALL_EXIT = 4   # this rank's watchdog found the job making no progress and published why
+ORPHAN_EXIT = 5  # this rank's torchrun agent (its parent) is gone: the rank ended itself and published why
 
 _HINTS = {
     signal.SIGKILL: "the kernel's out-of-memory killer sends SIGKILL (check `dmesg` or the job's memory), as do "
@@ -62,7 +63,8 @@ def describe_exit(code: int | None) -> str:
     if code < 0:
         return f"killed by {signal_name(-code)}"
     return {FAILED_EXIT: "raised an error", ABORT_EXIT: "stopped after another process ended the job",
-            STALL_EXIT: "its watchdog found the job stuck"}.get(code, f"exited with status {code}")
+            STALL_EXIT: "its watchdog found the job stuck",
+            ORPHAN_EXIT: "its torchrun agent was gone, so it ended itself"}.get(code, f"exited with status {code}")
 
 
 def killed_message(rank: int, pid: int, signum: int, world_size: int) -> str:

@@ -11,7 +11,12 @@ the rendezvous store does, every ``poll_s``:
   a wait for a peer's message, a collective), reads every rank's heartbeat twice, ``2.5 × beat_s`` apart (a
   rank whose counter did not move is not running: stopped by SIGSTOP or a debugger, swapped out, killed with
   no launcher to notice, or hung holding the GIL), follows who waits for whom to the rank holding the job
-  up, publishes that as the job's reason to end and ends this process with ``STALL_EXIT``.
+  up, publishes that as the job's reason to end and ends this process with ``STALL_EXIT``;
+- when given ``agent_pid`` (under torchrun: the node's agent, this process's parent), checks that the agent
+  still runs. A torchrun agent killed outright (SIGKILL, an OOM kill, a node's session ended) leaves its
+  workers behind as orphans, which would go on training with nobody to report or stop them; the watchdog
+  publishes that this node's agent is gone and ends this process with ``ORPHAN_EXIT``, so the other nodes'
+  ranks stop with that reason and their agents end the job.
 
 The stall timeout is ``timeout_s`` when given (``Pipeline(watchdog_s=...)``, ``PIPEOPTIM_WATCHDOG_S``), else
 ``max(300 s, 20 × the slowest iteration measured so far)``: a few minutes, more for runs with long steps.
@@ -34,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .faults import ABORT_EXIT, STALL_EXIT, publish, published
+from .faults import ABORT_EXIT, ORPHAN_EXIT, STALL_EXIT, publish, published
 
 __all__ = ["Watchdog", "Doing", "diagnose", "DEFAULT_TIMEOUT_S", "STEP_FACTOR", "COLLECTIVE"]
 
@@ -65,8 +70,10 @@ def _beat_key(rank: int) -> str:
 class Watchdog:
     def __init__(self, store, rank: int, world_size: int, *, timeout_s: float | None = None,
                  poll_s: float | None = None, beat_s: float = 1.0, quiet: bool = False,
-                 before_exit: Callable[[], None] | None = None):
+                 before_exit: Callable[[], None] | None = None, agent_pid: int | None = None,
+                 node: str | None = None):
         self.store, self.rank, self.world_size = store, rank, world_size
+        self.agent_pid, self.node = agent_pid, node
         self.poll_s = poll_s if poll_s is not None else (0.2 if world_size <= 64 else 1.0)
         self.beat_s, self.quiet, self.before_exit = beat_s, quiet, before_exit
         self._timeout = timeout_s
@@ -74,6 +81,7 @@ class Watchdog:
         self._doing = _IDLE
         self._origin = False
         self.won: bool | None = None
+        self.cause: str | None = None  # the job's published reason to end, once ``signal`` read it
         self._count = 0
         self._host = socket.gethostname()
         self._stop = threading.Event()
@@ -132,7 +140,8 @@ class Watchdog:
         """Publish this rank's failure as the job's reason to end; True if it is the first (the cause).
 
         ``symptom``: the failure only says a peer's connection went away; the process that knows why (the
-        launcher, for a rank killed by a signal) gets ``SYMPTOM_DELAY_S`` to publish that first."""
+        launcher, for a rank killed by a signal) gets ``SYMPTOM_DELAY_S`` to publish that first. Not the first:
+        ``cause`` holds the reason that was."""
         self._origin = True
         if self.won is not None:
             return self.won
@@ -140,9 +149,9 @@ class Watchdog:
             deadline = time.monotonic() + (SYMPTOM_DELAY_S if symptom else 0.0)
             while time.monotonic() < deadline and published(self.store) is None:
                 time.sleep(0.05)
-            self.won, _ = publish(self.store, message)
-        except Exception:  # the store is gone: the launcher still ends the other ranks
-            self.won = False
+            self.won, self.cause = publish(self.store, message)
+        except Exception as e:  # the store is gone: the launcher still ends the other ranks
+            self.won, self.cause = False, self._lost_store(e)
         return self.won
 
     # ---- the thread ------------------------------------------------------------------------------------
@@ -150,6 +159,8 @@ class Watchdog:
         next_beat = time.monotonic() + self.beat_s
         while not self._stop.wait(self.poll_s):
             reason = self._reason()
+            if reason is None and self.agent_pid is not None and os.getppid() != self.agent_pid:
+                self._orphaned()
             if reason is not None:
                 if self._origin or self._stop.is_set():
                     return
@@ -168,8 +179,16 @@ class Watchdog:
         except Exception as e:
             if self._stop.is_set():
                 return None
-            return (f"lost the rendezvous store ({type(e).__name__}: {e}); the launcher or the process hosting "
-                    "the store has ended")
+            return self._lost_store(e)
+
+    def _lost_store(self, e: Exception) -> str:
+        """Why the job ends when the store stopped answering: whoever hosts it has ended."""
+        where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") else ""
+        host = ("the torchrun agent of node 0 (the job's first node: it hosts the store) has ended: killed, or its "
+                "machine is gone" if self.agent_pid is not None else
+                "the launcher or the process hosting the store has ended")
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"lost the rendezvous store{where} ({type(e).__name__}: {first}); {host}"
 
     def _beat(self) -> None:
         d = self._doing
@@ -191,6 +210,20 @@ class Watchdog:
             except Exception:
                 pass
         return out
+
+    def _orphaned(self) -> None:
+        """This rank's torchrun agent is gone: publish that as the job's reason and end this process."""
+        node = f"node {self.node}" if self.node is not None else "its node"
+        message = (f"the torchrun agent of {node} (pid {self.agent_pid} on {self._host}) has ended without "
+                   f"stopping its workers (killed, or its session closed), so rank {self.rank} (pid {os.getpid()}) "
+                   "and that node's other ranks end with it: the job cannot go on with a node nobody supervises. "
+                   "Keep each node's torchrun alive for the whole job (run it under nohup, tmux or the "
+                   "scheduler), and resume from the newest checkpoint")
+        try:
+            won, reason = publish(self.store, message)
+        except Exception:  # the store is gone too: say why this process ends all the same
+            won, reason = True, message
+        self._end(message if won else f"stopping: {reason}", ORPHAN_EXIT if won else ABORT_EXIT)
 
     def _stalled(self, d: Doing) -> None:
         waited = time.monotonic() - d.since
