@@ -327,7 +327,8 @@ def test_costs_of_the_hugging_face_workload_are_measured_through_its_tuple_bound
     assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in layers)
     stages = ttt.measure_stage_overheads(wl)
     assert {(r["stage"], r["variant"]) for r in stages} == \
-        {(k, v) for k in (0, 1) for v in ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code")}
+        {(k, v) for k in (0, 1) for v in ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code",
+                                          "pipeoptim-2bw")}
     assert all(r["step_s"] > 0 for r in stages)
     costs = ttt.MeasuredCosts(wl, layers, stages)
     assert costs.time_per_update("async-1f1b", 2, "pipeoptim")["time_s"] > 0
@@ -344,7 +345,8 @@ def test_a_hugging_face_gpt2_run_records_its_curve(one_thread, monkeypatch, meth
 
 def test_suite_runs_every_workload_once_in_order(monkeypatch, capsys, tmp_path):
     done = []
-    monkeypatch.setattr(ttt, "run_study", lambda wl, out, jobs, threads: done.append(("run", wl.name, jobs)))
+    monkeypatch.setattr(ttt, "run_study", lambda wl, out, jobs, threads, only, depths, screen:
+                        done.append(("run", wl.name, jobs)))
     monkeypatch.setattr(ttt, "report", lambda wl, out: done.append(("report", wl.name)))
     assert ttt.main(["--workload", "suite", "gpt16", "--jobs", "2", "--out", str(tmp_path)]) == 0
     assert done == [x for name in ("gpt16", "hfgpt2", "digits") for x in (("run", name, 2), ("report", name))]
