@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 set +e
-python3 -m pytest -q -p no:cacheprovider tests "$@"
+python3 -m pytest -q -p no:cacheprovider --durations=25 tests "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
