@@ -76,7 +76,8 @@ class Recipe:
 
     def describe(self) -> str:
         delay = "" if not self.delay_hparams else f", delay rules {self.delay_hparams}"
-        return (f"{self.name}: schedule {self.schedule}, policy {self.policy}{'' if not self.policy_options else ' ' + str(self.policy_options)}, "
+        options = "" if not self.policy_options else f" {self.policy_options}"
+        return (f"{self.name}: schedule {self.schedule}, policy {self.policy}{options}, "
                 f"{self.optimizer} β1 {self.beta1:g} weight decay {self.weight_decay:g}{delay}, linear lr warm-up "
                 f"over {self.warmup} updates. Evidence: {self.evidence} Avoid: {self.avoid}")
 
