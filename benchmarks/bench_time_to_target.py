@@ -147,10 +147,8 @@ class Workload:
 
     def lr_scheduler(self):
         """Pipeline's lr_scheduler: a linear warm-up over `warmup` updates, then the sweep's lr (None: none)."""
-        if self.warmup <= 0:
-            return None
-        warmup = self.warmup
-        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup))
+        from pipeoptim.recipes import linear_warmup
+        return None if self.warmup <= 0 else linear_warmup(self.warmup)
 
 
 GPT16 = dict(seq_len=32, d_model=64, n_heads=4, n_layers=16)
@@ -432,11 +430,11 @@ def best_lr(wl: Workload, rows: list[dict], run: str, devices: int) -> float | N
 def sweep_runs(wl: Workload, rows: list[dict], run: str, devices: int) -> list[dict]:
     """The seed-0 runs of `run` at `devices` at the sweep's lrs and at those it was widened to."""
     return [r for r in rows if r["method"] == run and r["devices"] == devices and r["seed"] == wl.seeds[0]
-            and r["lr"] in swept_lrs(wl, rows)]
+            and r["lr"] in swept_lrs(wl)]
 
 
-def swept_lrs(wl: Workload, rows: list[dict]) -> set[float]:
-    """The sweep's lrs, and each factor-2 step past its ends up to `widen` of them (where widening ran)."""
+def swept_lrs(wl: Workload) -> set[float]:
+    """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
     lo, hi = min(wl.lrs), max(wl.lrs)
     return set(wl.lrs) | {lo / 2 ** i for i in range(1, wl.widen + 1)} | {hi * 2 ** i for i in range(1, wl.widen + 1)}
 
@@ -448,7 +446,7 @@ def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float
     best = best_lr(wl, rows, run, devices)
     if best is None or len(tried) < 2:
         return None
-    allowed = swept_lrs(wl, rows)
+    allowed = swept_lrs(wl)
     for edge, step in ((tried[0], 0.5), (tried[-1], 2.0)):
         if best == edge and any(math.isclose(edge * step, lr) for lr in allowed):
             return next(lr for lr in allowed if math.isclose(edge * step, lr))
@@ -457,24 +455,13 @@ def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float
 
 def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
     runs = ("sync",) * wl.train_sync + wl.async_runs
+    pairs = [(m, d) for m in runs for d in run_depths(wl, m)]
     if phase == "sweep":
-        return [(m, d, lr, wl.seeds[0]) for m in runs for d in run_depths(wl, m) for lr in wl.lrs]
-    if phase == "widen":
-        out = []
-        for m in runs:
-            for d in run_depths(wl, m):
-                lr = widen_sweep(wl, rows, m, d)
-                if lr is not None:
-                    out.append((m, d, lr, wl.seeds[0]))
-        return out
-    if phase == "seeds":
-        out = []
-        for m in runs:
-            for d in run_depths(wl, m):
-                lr = best_lr(wl, rows, m, d)
-                if lr is not None:
-                    out += [(m, d, lr, s) for s in wl.seeds[1:]]
-        return out
+        return [(m, d, lr, wl.seeds[0]) for m, d in pairs for lr in wl.lrs]
+    if phase in ("widen", "seeds"):
+        pick, seeds = (widen_sweep, wl.seeds[:1]) if phase == "widen" else (best_lr, wl.seeds[1:])
+        chosen = [(m, d, pick(wl, rows, m, d)) for m, d in pairs]
+        return [(m, d, lr, s) for m, d, lr in chosen if lr is not None for s in seeds]
     if phase == "ablation":
         if "pipeoptim-exact" not in wl.async_runs:
             return []
@@ -939,7 +926,7 @@ def _ablation_table(wl: Workload, results: list[MethodResult]) -> None:
 def _sweep_table(wl: Workload, rows: list[dict]) -> None:
     print(f"\nlearning-rate sweep (seed {wl.seeds[0]}): updates to {wl.targets[0]} (final {wl.metric}); "
           "'div' = diverged, '>U' = not reached in the budget\n")
-    lrs = sorted(lr for lr in swept_lrs(wl, rows) if any(x["lr"] == lr for x in rows))
+    lrs = sorted(lr for lr in swept_lrs(wl) if any(x["lr"] == lr for x in rows))
     print("| run | D | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |")
     print("|---|---|" + "---|" * len(lrs) + "---|")
     for run in ("sync",) + wl.async_runs:

@@ -21,7 +21,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Recipe", "RECIPES", "get", "names"]
+__all__ = ["Recipe", "RECIPES", "get", "names", "linear_warmup"]
+
+
+def linear_warmup(updates: int) -> Callable:
+    """``Pipeline(lr_scheduler=...)``: the lr times min(1, (k + 1) / updates) at update k, then the lr held."""
+    import torch
+    if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
+        raise ValueError(f"a warm-up lasts a positive whole number of updates, got {updates!r}")
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / updates))
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,7 @@ class Recipe:
 
     def lr_scheduler(self) -> Callable:
         """``Pipeline(lr_scheduler=...)``: a linear warm-up over `warmup` updates, then the lr held."""
-        import torch
-        warmup = max(1, self.warmup)
-        return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup))
+        return linear_warmup(max(1, self.warmup))
 
     def pipeline_kwargs(self, lr: float, *, lr_scheduler: bool = True) -> dict:
         """Keyword arguments for ``Pipeline``: schedule, policy, policy_options, optimizer, delay_hparams and (with

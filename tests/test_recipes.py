@@ -71,3 +71,9 @@ def test_cli_weight_decay_reaches_the_optimizer():
     for name in ("adamw", "nadam"):
         assert _optimizer({"optimizer": name, "lr": 1e-3})(w).param_groups[0]["weight_decay"] == 0.01
         assert _optimizer({"optimizer": name, "lr": 1e-3, "weight_decay": 0.1})(w).param_groups[0]["weight_decay"] == 0.1
+
+
+def test_linear_warmup_refuses_a_length_that_is_no_whole_positive_number():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive whole number of updates"):
+            recipes.linear_warmup(bad)
