@@ -82,9 +82,8 @@ class SavedWeights:
             raise ValueError("watched weight buffers must own their storage from offset 0")
         self._groups[flat.untyped_storage()._cdata] = (group, flat.dtype)
 
-    @contextmanager
     def hooks(self, tag: Any, resolve: Callable[[int, Any], torch.Tensor],
-              activations: dict | None = None) -> Iterator[None]:
+              activations: dict | None = None) -> torch.autograd.graph.saved_tensors_hooks:
         """Inside: saved weight aliases become handles; at backward, `resolve(group, tag)` names the flat
         buffer to read (laid out like the group's weights). `activations`, if given, receives
         {storage id: bytes} of every other saved tensor's storage (what the forward keeps for its backward)."""
@@ -108,8 +107,7 @@ class SavedWeights:
                 return x.resolve(x.group, x.tag).as_strided(x.size, x.stride, x.offset)
             return x
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 # A direction tells the predictor what to predict with for a group: (rule, state, group hparams, mode).

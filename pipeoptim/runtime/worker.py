@@ -98,7 +98,8 @@ class DeviceWorker:
         self.busy = 0.0
         self.nonfinite: list[Step] = []  # steps skipped this iteration: their gradient held a NaN or inf
         for st in self.stages.values():
-            st.module.train(train)
+            if st.module.training != train:  # (a walk over every submodule: not once per step when unchanged)
+                st.module.train(train)
 
     def end(self) -> None:
         if self.saved:
@@ -110,7 +111,8 @@ class DeviceWorker:
             raise RuntimeError(f"device {self.device} ended the iteration with split backwards whose weight "
                                f"gradient never ran: {left}; the schedule misses their W actions")
         for st in self.stages.values():
-            st.module.train(True)
+            if not st.module.training:
+                st.module.train(True)
 
     def _autocast(self):
         if self.autocast_dtype is None:

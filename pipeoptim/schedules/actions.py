@@ -118,6 +118,18 @@ class Chunk:
         _check_index("stage", self.stage)
 
 
+_CHUNKS: dict[tuple[int, int], Chunk] = {}
+
+
+def _chunk_of(replica: int, stage: int) -> Chunk:
+    """The Chunk (replica, stage), built and checked once: the runtime asks an action for it several times per
+    action it runs."""
+    c = _CHUNKS.get((replica, stage))
+    if c is None:
+        c = _CHUNKS[(replica, stage)] = Chunk(replica, stage)
+    return c
+
+
 @dataclass(frozen=True, slots=True)
 class _MicrobatchAction:
     """The fields and checks the four compute actions share; each is its own type (actions of two kinds on the
@@ -133,7 +145,7 @@ class _MicrobatchAction:
 
     @property
     def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
+        return _chunk_of(self.replica, self.stage)
 
     def __str__(self):
         return format_action(self)
@@ -177,7 +189,7 @@ class Step:
 
     @property
     def chunk(self) -> Chunk:
-        return Chunk(self.replica, self.stage)
+        return _chunk_of(self.replica, self.stage)
 
     def __str__(self):
         return format_action(self)
