@@ -1,5 +1,6 @@
-"""comm.P2P: shapes agreed once per slot, one flag + payloads afterwards, receives posted ahead, and a change of
-shapes (or a missing gradient) still arriving exactly, over two real gloo processes."""
+"""comm.P2P: shapes agreed once per slot, then one message per transfer (flag and payloads packed in one byte
+buffer, reused across iterations), receives posted ahead, and a change of shapes (or a missing gradient) still
+arriving exactly, over two real gloo processes."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -52,7 +53,7 @@ def _p2p_job():
     keys = [k for k, _ in _messages(0)]
     plan = SimpleNamespace(channels={(0, 1): keys})
     p2p = P2P(plan, rank, lambda d: d, torch.device("cpu"))
-    report = {"ok": [], "posted_at_start": []}
+    report = {"ok": [], "posted_at_start": [], "storages": []}
     for it in range(2):
         p2p.reset(plan)
         report["posted_at_start"].append(sorted(p2p.posted))
@@ -67,6 +68,7 @@ def _p2p_job():
                                                   and a.shape == b.shape and torch.equal(a, b))
                     for a, b in zip(got, tensors))
                 report["ok"].append(bool(same))
+                report["storages"].append([None if t is None else t.untyped_storage().data_ptr() for t in got])
         p2p.finish()
     report["sent_ops"] = sent_ops
     return report
@@ -82,22 +84,43 @@ def test_every_message_arrives_exactly_in_shape_dtype_and_value(reports):
     assert len(got) == 2 * len(_messages(0)) and all(got)
 
 
-def test_a_header_travels_only_when_a_slot_is_new_or_its_shapes_change(reports):
+def _packed(*nbytes):
+    """Bytes of one packed message: an 8-byte flag, then each payload at the next multiple of 16."""
+    end = 8
+    for n in nbytes:
+        end = (end + 15) // 16 * 16 + n
+    return end
+
+
+def test_a_transfer_is_one_message_and_a_header_travels_only_when_a_slot_is_new_or_its_shapes_change(reports):
     sent = reports[0]["sent_ops"]
     per_iteration = len(_messages(0))
     first, second = sent[:per_iteration], sent[per_iteration:]
     header = HEADER_LEN
-    # iteration 1: F slot new (header), same, changed (flag, fills, header), same, changed; B slot new,
-    # changed (None appears), changed (dtype)
-    assert [ops[0] for ops in first] == [header, 1, 1, 1, 1, header, 1, 1]
-    changed = [i for i, ops in enumerate(first) if header in ops[1:]]
-    assert changed == [2, 4, 6, 7]
-    # the change sends the flag, zeros in the old shapes (to fill the posted receives), the header, payloads
-    assert first[2] == [1, 15, 3, header, 10, 2]
-    # iteration 2 starts where iteration 1 ended (F slot agreed at 3x5, B at bf16 + None): the first F
-    # message is flag + payload only
-    assert second[0] == [1, 15, 3]
-    assert [ops[0] for ops in second].count(header) == 0
+    # iteration 1: F slot new (header, message), same, changed (the old layout's message flagged "changed",
+    # header, message), same, changed; B slot new, changed (None appears), changed (dtype)
+    assert [len(ops) for ops in first] == [2, 1, 3, 1, 3, 2, 3, 3]
+    assert [i for i, ops in enumerate(first) if header in ops] == [0, 2, 4, 5, 6, 7]
+    f35, f25 = _packed(3 * 5 * 4, 3 * 8), _packed(2 * 5 * 4, 2 * 8)   # float32 x and int64 ids
+    assert first[0] == [header, f35] and first[1] == [f35]
+    assert first[2] == [f35, header, f25] and first[3] == [f25]
+    assert first[6] == [_packed(16, 16), header, _packed(16)]           # a missing gradient takes no bytes
+    assert first[7] == [_packed(16), header, _packed(8)]                # 2 x 2 bfloat16
+    # iteration 2 starts where iteration 1 ended (F slot agreed at 3x5, B at bf16 + None): unchanged shapes
+    # are one message each
+    assert [len(ops) for ops in second] == [1, 1, 3, 1, 3, 3, 3, 3]
+    assert second[0] == [f35]
+
+
+def test_receive_buffers_are_reused_across_iterations_when_the_layout_is_the_same(reports):
+    storages = reports[1]["storages"]
+    n = len(_messages(0))
+    first, second = storages[:n][::-1], storages[n:][::-1]       # (taken in reverse order)
+    for i in (0, 1, 3):   # the messages that arrive in the agreed layout in both iterations
+        assert first[i] == second[i]
+    # within an iteration every message has its own buffer (all were held in the inbox at once)
+    ptrs = [p for msg in first for p in set(msg) if p is not None]
+    assert len(ptrs) == len(set(ptrs))
 
 
 def test_the_receiver_posts_the_first_message_of_each_channel_ahead_once_shapes_are_agreed(reports):

@@ -7,14 +7,19 @@ receiver must always know the shapes of what it receives; but asking first (a he
 payload) costs a round trip per transfer. Instead, shapes are agreed once per *slot* (sender, receiver and
 the kind of the consuming op: the forward or the backward of one stage of one replica) and then assumed:
 
-- the first message of a slot is a header (``pack_header``: per tensor its dtype, rank and shape, or "none"
-  for a missing gradient) followed by the payloads;
-- every later message is a one-element flag followed by the payloads in the agreed shapes, posted together,
-  so the receiver posts its receives ahead (as soon as the previous message of the channel is taken, and for
-  the first message of each channel when the iteration starts) and a transfer costs no round trip;
-- when the shapes change, the sender says so in the flag, fills the receives already posted with zeros of
-  the agreed shapes, and sends a header and the payloads: the receiver reads them and agrees on the new
-  shapes. Nothing is reshaped and nothing can be received into a buffer of the wrong size.
+- a transfer is one message: a byte buffer holding a flag (8 bytes) and every tensor of the boundary, each
+  at an offset aligned to 16 bytes (``Layout``), so dtypes gloo cannot send (bfloat16, bool) travel as bytes;
+  the sender copies the tensors in (one copy), the receiver hands out views of its buffer (no copy);
+- the first message of a slot is preceded by a header (``pack_header``: per tensor its dtype, rank and shape,
+  or "none" for a missing gradient); every later one is the packed message alone, in the agreed shapes, so
+  the receiver posts its receive ahead (as soon as the previous message of the channel is taken, and for the
+  first message of each channel when the iteration starts) and a transfer costs no round trip;
+- when the shapes change, the sender fills the receive already posted with a message of the agreed layout
+  whose flag says so, then sends a header and the packed message: the receiver reads them and agrees on the
+  new shapes. Nothing is reshaped and nothing can be received into a buffer of the wrong size;
+- buffers are reused: a channel's i-th message of an iteration is received into (and sent from) the buffer
+  of its i-th message of the previous iteration when the layout is the same; by then the iteration that used
+  it has ended (``finish``), with every input consumed and every send completed.
 
 Ordering (deadlock freedom): sends are posted as soon as the data exists and never waited on before the end
 of the iteration; a receive is waited on just before the compute that needs it. Messages on one channel
@@ -39,8 +44,6 @@ _MAX_TENSORS = (HEADER_LEN - 1) // _SLOT
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.uint8, torch.bool, torch.int8, torch.int16]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-# gloo has no bfloat16/bool p2p: such payloads travel as raw bytes of a same-size integer type.
-_WIRE = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
 
 
 def pack_header(tensors: tuple, device) -> torch.Tensor:
@@ -84,11 +87,6 @@ def unpack_header(h: torch.Tensor) -> list[tuple[torch.dtype, tuple[int, ...]] |
     return out
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(_WIRE[t.dtype]) if t.dtype in _WIRE else t
-
-
 Metas = tuple  # per tensor (dtype, shape), or None for a missing gradient
 
 
@@ -103,17 +101,70 @@ def slot_of(peer: int, key) -> tuple:
 
 
 _SAME, _CHANGED = 0, 1
+_FLAG_BYTES = 8
+_ALIGN = 16
+
+
+class Layout:
+    """Where each tensor of a boundary lies in its packed message: the flag (int64) at byte 0, then each
+    tensor at an offset aligned to 16 bytes (a view of any dtype needs its element size to divide the offset)."""
+
+    def __init__(self, metas: Metas):
+        self.metas = metas
+        self.spans: list[tuple[int, int] | None] = []
+        end = _FLAG_BYTES
+        for m in metas:
+            if m is None:
+                self.spans.append(None)
+                continue
+            dtype, shape = m
+            start = -(-end // _ALIGN) * _ALIGN
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            self.spans.append((start, start + n))
+            end = start + n
+        self.nbytes = end
+
+    def views(self, buf: torch.Tensor) -> tuple:
+        """The tensors of a message held in ``buf`` (views, no copy)."""
+        return tuple(None if span is None else buf[span[0]:span[1]].view(m[0]).view(m[1])
+                     for m, span in zip(self.metas, self.spans))
+
+    def flag(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[:_FLAG_BYTES].view(torch.int64)
+
+
+_LAYOUTS: dict = {}
+
+
+def layout_of(metas: Metas) -> Layout:
+    lay = _LAYOUTS.get(metas)
+    if lay is None:
+        lay = _LAYOUTS[metas] = Layout(metas)
+    return lay
+
+
+class _Buffers:
+    """Byte buffers reused across iterations, one per (peer, message index in the channel)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.held: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, key: tuple[int, int], nbytes: int) -> torch.Tensor:
+        buf = self.held.get(key)
+        if buf is None or buf.numel() != nbytes:
+            buf = self.held[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf
 
 
 class _Posted:
-    """The receives of one message posted ahead in the agreed shapes: the flag, then the payloads."""
+    """The receive of one message posted ahead, in the agreed layout."""
 
-    def __init__(self, peer: int, metas: Metas, device):
-        self.metas = metas
-        self.flag = torch.empty(1, dtype=torch.int64, device=device)
-        self.bufs = tuple(None if m is None else torch.empty(m[1], dtype=m[0], device=device) for m in metas)
-        wires = [self.flag] + [_wire(b) for b in self.bufs if b is not None]
-        self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in wires])
+    def __init__(self, peer: int, layout: Layout, buf: torch.Tensor):
+        self.layout, self.buf = layout, buf
+        self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer)])
 
 
 class P2P:
@@ -126,7 +177,8 @@ class P2P:
         self.wait = wait or (lambda work, what, peer: work.wait())
         self.sent_metas: dict[tuple, Metas] = {}     # slot -> shapes the receiver expects from this rank
         self.recv_metas: dict[tuple, Metas] = {}     # slot -> shapes this rank expects
-        self._flags = {v: torch.tensor([v], dtype=torch.int64, device=device) for v in (_SAME, _CHANGED)}
+        self._send_bufs = _Buffers(device)
+        self._recv_bufs = _Buffers(device)
         self.reset(plan)
 
     def reset(self, plan: Plan) -> None:
@@ -135,6 +187,7 @@ class P2P:
         self.pending: list = []
         self.inbox: dict = {}
         self.taken: dict[int, int] = {}
+        self.sent: dict[int, int] = {}
         self.posted: dict[int, _Posted] = {}         # src -> the receive posted for its next message
         for (src, dst) in plan.channels:
             if dst == self.me:
@@ -146,18 +199,31 @@ class P2P:
         slot = slot_of(dst, key)
         metas = metas_of(tensors)
         agreed = self.sent_metas.get(slot)
-        payload = [_wire(t) for t in tensors if t is not None]
+        i = self.sent.get(dst, 0)
+        self.sent[dst] = i + 1
         if agreed == metas:
-            keep = [self._flags[_SAME]] + payload
+            keep = [self._pack(dst, i, metas, tensors)]
         else:
             header = pack_header(tensors, self.device)   # checks dtypes and ranks before anything is sent
-            keep = [header] + payload
-            if agreed is not None:                       # fill the receives the peer posted in the old shapes
-                fill = [_wire(torch.zeros(m[1], dtype=m[0], device=self.device)) for m in agreed if m is not None]
-                keep = [self._flags[_CHANGED]] + fill + keep
+            keep = [header, self._pack(dst, i, metas, tensors)]
+            if agreed is not None:                       # fill the receive the peer posted in the old layout
+                old = layout_of(agreed)
+                fill = torch.zeros(old.nbytes, dtype=torch.uint8, device=self.device)
+                old.flag(fill).fill_(_CHANGED)
+                keep = [fill] + keep
             self.sent_metas[slot] = metas
         ops = [dist.P2POp(dist.isend, t, peer) for t in keep]
         self.pending.append((dist.batch_isend_irecv(ops), keep, key, dst))
+
+    def _pack(self, dst: int, index: int, metas: Metas, tensors: tuple) -> torch.Tensor:
+        layout = layout_of(metas)
+        buf = self._send_bufs.get((dst, index), layout.nbytes)   # its last send completed at the last finish()
+        layout.flag(buf).fill_(_SAME)
+        with torch.no_grad():
+            for view, t in zip(layout.views(buf), tensors):
+                if t is not None:
+                    view.copy_(t)
+        return buf
 
     # ---- receiving ---------------------------------------------------------------------------------------
     def recv(self, src: int, key) -> tuple:
@@ -167,8 +233,9 @@ class P2P:
             if i >= len(seq):
                 raise RuntimeError(f"device {self.me} waits for the input of {key} from device {src}, but the "
                                    f"schedule sends nothing more on that channel")
+            self.inbox[(src, seq[i])] = self._recv_one(src, seq[i], i)
             self.taken[src] = i + 1
-            self.inbox[(src, seq[i])] = self._recv_one(src, seq[i])
+            self._post_next(src)
         return self.inbox.pop((src, key))
 
     def _post_next(self, src: int) -> None:
@@ -178,34 +245,28 @@ class P2P:
         if i < len(seq) and src not in self.posted:
             agreed = self.recv_metas.get(slot_of(src, seq[i]))
             if agreed is not None:
-                self.posted[src] = _Posted(self.global_rank(src), agreed, self.device)
+                layout = layout_of(agreed)
+                self.posted[src] = _Posted(self.global_rank(src), layout,
+                                           self._recv_bufs.get((src, i), layout.nbytes))
 
-    def _recv_one(self, src: int, key) -> tuple:
+    def _recv_one(self, src: int, key, index: int) -> tuple:
         peer = self.global_rank(src)
         posted = self.posted.pop(src, None)      # None: the first message of its slot, a header comes
         if posted is not None:
             for w in posted.works:
                 self.wait(w, f"{key}'s input from rank {peer}", peer)
-            if int(posted.flag) == _SAME:
-                self._post_next(src)
-                return posted.bufs
-        bufs = self._recv_with_header(src, key)
-        self._post_next(src)
-        return bufs
-
-    def _recv_with_header(self, src: int, key) -> tuple:
-        peer = self.global_rank(src)
+            if int(posted.layout.flag(posted.buf)) == _SAME:
+                return posted.layout.views(posted.buf)
         h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer)]):
             self.wait(w, f"the header of {key}'s input from rank {peer}", peer)
         metas = tuple(unpack_header(h))
-        bufs = tuple(None if m is None else torch.empty(m[1], dtype=m[0], device=self.device) for m in metas)
-        wires = [_wire(b) for b in bufs if b is not None]
-        if wires:
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in wires]):
-                self.wait(w, f"{key}'s input from rank {peer}", peer)
+        layout = layout_of(metas)
+        buf = self._recv_bufs.get((src, index), layout.nbytes)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer)]):
+            self.wait(w, f"{key}'s input from rank {peer}", peer)
         self.recv_metas[slot_of(src, key)] = metas
-        return bufs
+        return layout.views(buf)
 
     def finish(self) -> None:
         """Wait for every send of the iteration; check that every expected message was taken."""

@@ -36,8 +36,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .faults import ABORT_EXIT, ORPHAN_EXIT, STALL_EXIT, publish, published
 
@@ -50,10 +49,11 @@ SYMPTOM_DELAY_S = 1.0    # how long a rank that only saw a lost connection lets 
 LOOK_BEATS = 2.5         # a rank whose heartbeat did not move in this many beat periods is not running
 
 
-@dataclass(frozen=True)
-class Doing:
+class Doing(NamedTuple):
     """What a rank's main thread is doing: ``what`` (an action or a sentence), ``peer`` the global rank it
-    waits for (``COLLECTIVE``: a collective; None: computing), since ``since`` (time.monotonic())."""
+    waits for (``COLLECTIVE``: a collective; None: computing), since ``since`` (time.monotonic()). Immutable,
+    so the watchdog thread reads one consistent record; a tuple, as the main thread makes several per action
+    (`doing` takes 0.8 µs with it, 1.6 with a frozen dataclass)."""
     what: object
     peer: int | None
     since: float
