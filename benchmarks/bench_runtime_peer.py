@@ -1,17 +1,24 @@
 """Is pipeoptim's runtime as fast as torch.distributed.pipelining on the same model and schedule?
 
 Side by side in one run, per (model, schedule, N): 4 processes on gloo (one thread each); on every rank the
-same stage of the same model with the same initial weights, once in a ``Pipeline(schedule=..., policy="none")``
-and once in torch's ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe`` followed by AdamW's step. The two
-runtimes alternate step by step (so a change in the machine's load hits both); a step's time is the slowest
-rank's (all ranks barrier first); the median over the timed rounds is reported, with the ratio of the
-medians. Asynchronous schedules (no flush) are timed the same way and compared, in samples per second, with
-torch's faster synchronous schedule on that model. ``--emulated`` adds the one-process rows: an emulated
+same stages of the same model with the same initial weights, once in a ``Pipeline(schedule=..., policy="none")``
+and once in torch's ``PipelineStage`` + its schedule class followed by AdamW's step: 1F1B (``Schedule1F1B``)
+and GPipe (``ScheduleGPipe``) on 4 stages, one per rank; interleaved 1F1B (``ScheduleInterleaved1F1B``) on 8
+stages, rank r holding stages r and r + 4; ZBV (``ScheduleZBVZeroBubble``) on 8 stages, V-shaped, rank r
+holding stages r and 7 - r (its last stage, with the loss, on rank 0). Both runtimes place the stages alike
+(checked on every rank), and after the first step, taken by both from the same weights on the same batch,
+each rank checks that the two runtimes' updated weights agree (an error otherwise). The two runtimes alternate
+step by step (so a change in the machine's load hits both); a step's time is the slowest rank's (all ranks
+barrier first); the median over the timed rounds is reported, with the ratio of the medians. Asynchronous
+schedules (no flush) are timed the same way and compared, in samples per second, with torch's fastest
+synchronous schedule on that model (any of the four). ``--emulated`` adds the one-process rows: an emulated
 ``Pipeline`` against the plain unpipelined step of the same model (forward and backward of every micro-batch,
 then AdamW).
 
-Models: ``tiny`` (8 x Linear(64, 64), micro-batches of 1 x 64: almost all per-action overhead) and ``gpt``
-(a byte-level GPT of ~25M parameters, 8 blocks of width 512, micro-batches of 1 x 64 tokens).
+Models: ``tiny`` (8 x Linear(64, 64)-Tanh, micro-batches of 1 x 64: almost all per-action overhead; 2 blocks
+per stage on 4 stages, 1 on 8) and ``gpt`` (a byte-level GPT of ~25M parameters, 8 blocks of width 512,
+micro-batches of 1 x 64 tokens; [embedding, 8 blocks, head] cut 3|2|2|3 on 4 stages and 2|1|1|1|1|1|1|2 on 8).
+Every schedule trains the same model from the same weights; only the cut differs.
 
     python benchmarks/bench_runtime_peer.py [--models tiny gpt] [--rounds 15] [--csv PATH]
 
@@ -31,12 +38,31 @@ import time
 import torch
 from torch import nn
 
-SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
+SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
+        "zbv": "ScheduleZBVZeroBubble"}
 ASYNC = ["async-1f1b"]
-STAGES = 4
+STAGES = 4                       # processes (pipeline devices)
+TWO_PER_RANK = ("interleaved", "zbv")
+_GPT_CUTS = {4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}   # over [embedding, 8 blocks, head]
 
 
-def _tiny_stage(i: int) -> nn.Module:
+def num_stages(schedule: str) -> int:
+    return 2 * STAGES if schedule in TWO_PER_RANK else STAGES
+
+
+def rank_stages(schedule: str, rank: int) -> list[int]:
+    """The stages torch's schedule class puts on ``rank``, in the order its stage list takes them."""
+    if schedule == "interleaved":
+        return [rank, rank + STAGES]
+    if schedule == "zbv":
+        return [rank, 2 * STAGES - 1 - rank]
+    return [rank]
+
+
+def _tiny_stage(i: int, stages: int = STAGES) -> nn.Module:
+    """The same 8 Linear-Tanh blocks on 4 stages (2 each) or 8 (1 each): stage i of 8 is half of stage i // 2."""
+    if stages == 2 * STAGES:
+        return _tiny_stage(i // 2)[2 * (i % 2):2 * (i % 2) + 2]
     torch.manual_seed(1000 + i)
     return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
 
@@ -46,10 +72,10 @@ def _gpt_cfg():
     return GPTConfig(vocab_size=256, seq_len=64, d_model=512, n_heads=8, n_layers=8)
 
 
-def _gpt_stage(i: int) -> nn.Module:
+def _gpt_stage(i: int, stages: int = STAGES) -> nn.Module:
     from pipeoptim.models import gpt_layers
-    layers = gpt_layers(_gpt_cfg(), seed=0)        # [embedding, 8 blocks, head] -> 3 | 2 | 2 | 3
-    cuts = [0, 3, 5, 7, 10]
+    layers = gpt_layers(_gpt_cfg(), seed=0)
+    cuts = _GPT_CUTS[stages]
     return nn.Sequential(*layers[cuts[i]:cuts[i + 1]])
 
 
@@ -68,37 +94,95 @@ def _loss(model: str):
     return lm_loss
 
 
-def _stage(model: str, i: int) -> nn.Module:
-    return _tiny_stage(i) if model == "tiny" else _gpt_stage(i)
+def _stage(model: str, i: int, stages: int = STAGES) -> nn.Module:
+    return _tiny_stage(i, stages) if model == "tiny" else _gpt_stage(i, stages)
 
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dict:
-    """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes; returns the slowest rank's times."""
+def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw):
+    """This rank's pipeoptim ``Pipeline`` and, for a synchronous schedule, torch's step on the same stages:
+    (pipeline, torch_step or None, {global parameter name: torch's tensor})."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
     from pipeoptim.train import Pipeline
 
-    ours = Pipeline(stages=lambda i: _stage(model, i), loss_fn=_loss(model), optimizer=_adamw,
+    total = num_stages(schedule)
+    ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
                     schedule=schedule, policy="none", microbatches=n)
+    if schedule not in SYNC:
+        return ours, None, {}
     rank = dist.get_rank()
-    runners = {"pipeoptim": lambda b: ours.train_step(b)}
-    if schedule in SYNC:
-        module = _stage(model, rank)
-        stage = PipelineStage(module, rank, STAGES, torch.device("cpu"), group=dist.group.WORLD)
-        sched = getattr(torch_schedules, SYNC[schedule])(stage, n, loss_fn=_loss(model))
-        opt = _adamw(module.parameters())
+    mine = rank_stages(schedule, rank)
+    placed = [c.stage for c in ours.schedule.chunks[rank]]
+    if placed != mine:
+        raise RuntimeError(f"{schedule}: pipeoptim puts stages {placed} on rank {rank}, torch's "
+                           f"{SYNC[schedule]} puts {mine} there; the two runtimes would not run the same work")
+    modules = [_stage(model, i, total) for i in mine]
+    stages = [PipelineStage(m, i, total, torch.device("cpu"), group=dist.group.WORLD) for m, i in zip(modules, mine)]
+    sched = getattr(torch_schedules, SYNC[schedule])(stages if len(stages) > 1 else stages[0], n,
+                                                     loss_fn=_loss(model))
+    opt = optimizer([p for m in modules for p in m.parameters()])
+    first, last = 0 in mine, total - 1 in mine
 
-        def torch_step(b):
-            x, t = b
-            sched.step(*((x,) if rank == 0 else ()), target=t if rank == STAGES - 1 else None)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+    def torch_step(b):
+        x, t = b
+        sched.step(*((x,) if first else ()), target=t if last else None)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    params = {f"{i}.{name}": p for m, i in zip(modules, mine) for name, p in m.named_parameters()}
+    return ours, torch_step, params
+
+
+def weight_gap(ours, torch_params: dict, rtol: float = 1e-5, atol: float = 1e-6) -> tuple[float, str]:
+    """The largest |pipeoptim - torch| over this rank's weights beyond ``atol + rtol * |torch|`` (0.0 when
+    they agree), with the parameter's name; an error when the two runtimes hold different parameters."""
+    mine = ours.named_parameters()
+    if set(mine) != set(torch_params):
+        raise RuntimeError(f"the runtimes hold different parameters: pipeoptim {sorted(mine)}, torch "
+                           f"{sorted(torch_params)}")
+    worst, where = 0.0, ""
+    for name, theirs in torch_params.items():
+        excess = float(((mine[name].detach() - theirs.detach()).abs() - atol - rtol * theirs.detach().abs()).max())
+        if excess > worst:
+            worst, where = excess, name
+    return worst, where
+
+
+def sgd_step_check(model: str, schedule: str, n: int, lr: float = 1.0) -> dict:
+    """One rank: one SGD step (update = -lr x gradient, so a gradient off by any factor shows) in both runtimes
+    from the same weights on the same batch; returns this rank's weight gap (``weight_gap``), the largest
+    |pipeoptim - torch|, the largest update and the stages this rank holds."""
+    ours, torch_step, theirs = _runtimes(model, schedule, n, lambda ps: torch.optim.SGD(ps, lr=lr))
+    before = {k: v.detach().clone() for k, v in theirs.items()}
+    batch = _batch(model, n, 0)
+    ours.train_step(batch)
+    torch_step(batch)
+    gap, where = weight_gap(ours, theirs)
+    mine = ours.named_parameters()
+    diff = max(float((mine[k].detach() - theirs[k].detach()).abs().max()) for k in theirs)
+    moved = max(float((theirs[k].detach() - before[k]).abs().max()) for k in theirs)
+    return {"gap": gap, "where": where, "max_abs_diff": diff, "moved": moved,
+            "stages": sorted({int(k.split(".")[0]) for k in theirs})}
+
+
+def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
+    """``sgd_step_check`` for several schedules in one process group (one launch)."""
+    return [sgd_step_check(model, schedule, n) for schedule in schedules]
+
+
+def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dict:
+    """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes; returns the slowest rank's times.
+    After the first round (same weights, same batch in both) the two runtimes' weights must agree."""
+    import torch.distributed as dist
+
+    ours, torch_step, torch_params = _runtimes(model, schedule, n)
+    runners = {"pipeoptim": lambda b: ours.train_step(b)}
+    if torch_step is not None:
         runners["torch"] = torch_step
     times: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(warmup + rounds):
@@ -111,6 +195,12 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dic
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if r >= warmup:
                 times[name].append(float(took))
+        if r == 0 and torch_step is not None:
+            gap, where = weight_gap(ours, torch_params)
+            if gap > 0:
+                raise RuntimeError(f"{model} {schedule} N={n}, rank {dist.get_rank()}: after one step from the same "
+                                   f"weights the runtimes' weights differ (by {gap:.3g} beyond the tolerance, in "
+                                   f"{where}): they do not compute the same step, so their times do not compare")
     return times
 
 
@@ -186,6 +276,10 @@ def main(argv=None) -> int:
         for n in ns:
             best = None
             for schedule in SYNC:
+                if schedule == "interleaved" and n % STAGES:
+                    print(f"{model} interleaved N={n}: skipped (pipeoptim's interleaved needs N a multiple of "
+                          f"{STAGES})", flush=True)
+                    continue
                 per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, timeout_s=3600)
                 times = per_rank[0]
                 rows.append(_row(model, "4 processes", schedule, n, times, "torch", schedule))
@@ -199,7 +293,7 @@ def main(argv=None) -> int:
                                       timeout_s=3600)
                     times = dict(per_rank[0], torch=best[2])
                     rows.append(_row(model, "4 processes", schedule, n, times, "torch", best[0]))
-                    print(_format(rows[-1]) + "  (peer: torch's faster synchronous schedule, earlier run)",
+                    print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule, earlier run)",
                           flush=True)
         if args.emulated:
             times = emulated_job(model, 8, args.rounds, args.warmup)

@@ -1,5 +1,6 @@
-"""benchmarks/bench_runtime_peer.py: both runtimes run the same stage on every rank and the table's ratio is
-the ratio of the medians it prints."""
+"""benchmarks/bench_runtime_peer.py: both runtimes run the same stages on every rank (4 stages, or 8 for
+interleaved and ZBV), take the same step from the same weights, and the table's ratio is the ratio of the
+medians it prints."""
 from __future__ import annotations
 
 import sys
@@ -35,3 +36,52 @@ def test_same_initial_weights_in_both_runtimes():
     a, b = bench._stage("tiny", 2), bench._stage("tiny", 2)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert not torch.equal(next(bench._stage("tiny", 1).parameters()), next(a.parameters()))
+
+
+def test_interleaved_and_zbv_take_the_same_step_in_both_runtimes():
+    # SGD: the update is the gradient itself, so a gradient scaled differently (or a stage computed on the
+    # wrong rank) shows; 1000 x the tolerance moved, so agreeing is not agreeing on nothing
+    per_rank = launch(bench.sgd_step_checks, bench.STAGES, "tiny", ["interleaved", "zbv"], 8, timeout_s=240)
+    for rank, (interleaved, zbv) in enumerate(per_rank):
+        assert interleaved["stages"] == [rank, rank + 4]
+        assert zbv["stages"] == sorted([rank, 7 - rank])
+        for check in (interleaved, zbv):
+            assert check["gap"] == 0.0, check
+            assert check["moved"] > 1e-3 and check["max_abs_diff"] <= 1e-5 * check["moved"] + 1e-6
+
+
+def test_weight_gap_names_the_parameter_that_differs():
+    class Ours:
+        def __init__(self, params):
+            self.params = params
+
+        def named_parameters(self):
+            return self.params
+
+    theirs = {"0.0.weight": torch.ones(3), "4.0.bias": torch.zeros(2)}
+    assert bench.weight_gap(Ours({k: v.clone() for k, v in theirs.items()}), theirs) == (0.0, "")
+    off = {k: v.clone() for k, v in theirs.items()}
+    off["4.0.bias"][1] = 1e-3
+    gap, where = bench.weight_gap(Ours(off), theirs)
+    assert where == "4.0.bias" and gap == pytest.approx(1e-3 - 1e-6)
+    with pytest.raises(RuntimeError, match="different parameters"):
+        bench.weight_gap(Ours({"0.0.weight": torch.ones(3)}), theirs)
+
+
+def test_the_eight_stage_cut_is_the_four_stage_model():
+    for k in range(bench.STAGES):
+        four = list(bench._stage("tiny", k).parameters())
+        eight = [p for i in (2 * k, 2 * k + 1) for p in bench._stage("tiny", i, 8).parameters()]
+        assert len(four) == len(eight) == 4 and all(torch.equal(p, q) for p, q in zip(four, eight))
+    for n, cuts in bench._GPT_CUTS.items():    # [embedding, 8 blocks, head]: every layer once, no empty stage
+        assert len(cuts) == n + 1 and cuts[0] == 0 and cuts[-1] == 10
+        assert all(a < b for a, b in zip(cuts, cuts[1:]))
+
+
+def test_torch_places_the_stages_as_pipeoptims_schedules_do():
+    from pipeoptim.runtime.config import make_schedule
+    for schedule in bench.SYNC:
+        chunks = make_schedule(schedule, bench.STAGES, 8).chunks
+        assert [[c.stage for c in chunks[r]] for r in range(bench.STAGES)] == \
+            [bench.rank_stages(schedule, r) for r in range(bench.STAGES)]
+        assert bench.num_stages(schedule) == sum(len(c) for c in chunks)
