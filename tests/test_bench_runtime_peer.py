@@ -85,3 +85,21 @@ def test_torch_places_the_stages_as_pipeoptims_schedules_do():
         assert [[c.stage for c in chunks[r]] for r in range(bench.STAGES)] == \
             [bench.rank_stages(schedule, r) for r in range(bench.STAGES)]
         assert bench.num_stages(schedule) == sum(len(c) for c in chunks)
+
+
+def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
+    torch.set_num_threads(1)
+    plain, whole = bench.plain_runner("tiny", 4)
+    staged, stages = bench.staged_runner("tiny", 4)
+    batch = bench._batch("tiny", 4, 0)
+    before = [p.detach().clone() for p in whole.parameters()]
+    plain(batch)
+    staged(batch)
+    after_plain = list(whole.parameters())
+    after_staged = [p for st in stages for p in st.parameters()]
+    assert len(after_plain) == len(after_staged)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after_plain))       # the step moved the weights
+    for a, b in zip(after_plain, after_staged):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    times = bench.emulated_job("tiny", 4, 2, 0)
+    assert set(times) == {"pipeoptim", "plain", "staged"} and all(len(v) == 2 for v in times.values())
