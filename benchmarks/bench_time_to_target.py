@@ -161,7 +161,7 @@ WORKLOADS = {w.name: w for w in [
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
-                   "pipeoptim-nadam", "stash-dc")),
+                   "pipeoptim-nadam", "stash-dc", "zb-pipeoptim")),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -201,6 +201,7 @@ METHODS = {
     "nesterov": ("nesterov", "async-1f1b"),
     "pipeoptim-nadam": ("pipeoptim-nadam", "async-1f1b"),
     "stash-dc": ("stash-dc", "async-1f1b"),
+    "pipeoptim-zb": ("zb-pipeoptim", "async-zb"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
 ABLATION = ("s-paper", "s-code")   # s-schedule is pipeoptim-exact itself (tests/test_bench_convergence.py)
@@ -209,7 +210,8 @@ REFERENCE = "pipeoptim"
 POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "spectrain",
                  "pipeoptim-exact": "pipeoptim", "s-paper": "pipeoptim", "s-code": "pipeoptim-code",
                  "none": "none", "pipeoptim-2bw": "pipeoptim-2bw", "pipeoptim-2bw-b99": "pipeoptim-2bw",
-                 "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash"}
+                 "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash",
+                 "zb-pipeoptim": "pipeoptim"}
 
 
 # ---- one training run ---------------------------------------------------------------------------------------------
@@ -645,7 +647,7 @@ class MeasuredCosts:
         from pipeoptim.sim import Costs as SimCosts, simulate
         D, wl = devices, self.wl
         over = [self.stage[(D, k, policy)] for k in range(D)]  # (around forward, around backward, step) per stage
-        if schedule in ("async-1f1b", "2bw"):
+        if schedule in ("async-1f1b", "2bw", "async-zb"):
             size = wl.batch // D if schedule == "2bw" else wl.batch
             fwd, bwd = self.compute(D, size, linear)
             costs = SimCosts(forward=tuple(f + o[0] for f, o in zip(fwd, over)),
