@@ -78,7 +78,7 @@ def _build(args, recompute: str):
     policy = "pipeoptim" if args.schedule.startswith("async") else None
     pipe = Pipeline(gpt_layers(cfg, seed=0), loss_fn=lm_loss, devices=args.devices, schedule=args.schedule,
                     policy=policy, microbatches=N, emulate=True, checkpoint_stages=MODES[recompute](args.devices),
-                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), measure_activations=True)
     gen = torch.Generator().manual_seed(0)
 
     def batch():

@@ -42,7 +42,7 @@ def rank_job(schedule: str, policy, steps: int, N: int, mbs: int) -> dict:
     from pipeoptim.train import Pipeline
     cfg, layers = _model()
     pipe = Pipeline(layers, loss_fn=lm_loss, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                    schedule=schedule, policy=policy, microbatches=N)
+                    schedule=schedule, policy=policy, microbatches=N, measure_activations=True)
     corpus = stdlib_corpus(max_bytes=1 << 20)
     gen = torch.Generator().manual_seed(0)
     batches = [corpus.batch("train", N * mbs, cfg.seq_len, gen) for _ in range(steps + 2)]

@@ -196,7 +196,7 @@ def part_convergence(args) -> None:
             kw = dict(checkpoint_stages=True, policy_options={"recompute_on": on}) if on else {}
             pipe = Pipeline(list(task.layers), loss_fn=task.loss_fn, optimizer=make_optimizer("adamw", cfg["lr"]),
                             devices=cfg["devices"], emulate=True, schedule="async-1f1b", policy="pipeoptim",
-                            microbatches=args.window, **kw)
+                            microbatches=args.window, measure_activations=True, **kw)
             t0, steps, last = time.perf_counter(), 0, []
             while steps < cfg["steps"]:
                 loss = pipe.train_step(task.batch(cfg["mbs"] * args.window))

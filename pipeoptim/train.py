@@ -28,6 +28,8 @@ name; call ``train_step(batch)`` on every rank.
   stage indices, or ``{stage: "all" | [layer indices within the stage]}`` (``recompute``). The recomputation
   reads the weights the policy's backward reads (stash/2bw: the forward's version; pipeoptim: the real weights
   then, or ``policy_options=dict(recompute_on="forward")`` for the forward's prediction; see ``policies.base``).
+- ``measure_activations=True`` counts, per stage, the most bytes forwards in flight saved for their backwards
+  (``policy.peak_activation_bytes``); off by default, as it costs a Python call per saved tensor.
 - ``tied=[("0.tok.weight", "7.lm.weight")]``: parameters held on several stages that are one weight (tied
   embeddings). Copies start from the first name's value; before each step every copy's gradient becomes the
   sum over the copies (synchronous schedules only; see ``runtime.tied``); the global norm counts it once.
@@ -165,7 +167,8 @@ class Pipeline:
                  emulate: bool = False, device: str = "cpu", dp: int = 1, tied: Sequence[Sequence[str]] = (),
                  copies: Sequence[tuple[str, str]] = (), seed: int = 0,
                  init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
-                 watchdog_s: float | None = None, delay_hparams: DelayRules | dict | None = None):
+                 watchdog_s: float | None = None, delay_hparams: DelayRules | dict | None = None,
+                 measure_activations: bool = False):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage, or a factory stage_index -> module), not both and not neither")
@@ -219,6 +222,7 @@ class Pipeline:
             self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
             cut = ModelCut.from_layers(layers, self.balance)
         self.checkpoint_stages = parse_checkpoint_stages(checkpoint_stages, [len(n) for n in cut.names])
+        self.measure_activations = bool(measure_activations)
         self.devices, self.dp = devices, dp
         self.dp_rank = 0 if emulate else ctx.rank // devices  # this rank's pipeline replica (data_parallel)
         local = range(devices) if emulate else [ctx.rank % devices]
@@ -321,6 +325,7 @@ class Pipeline:
                                       max_delay=max(self._delays.values()), stages=self.schedule.num_stages,
                                       inner=sched)
         pol.recompute = chunk.stage in ckpt
+        pol.measure_activations = self.measure_activations
         return StageRuntime(chunk, module, opt, pol, sched, names, ckpt.get(chunk.stage, False))
 
     # ---- running ----------------------------------------------------------------------------------------

@@ -463,6 +463,7 @@ def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8, bias=False)
     pol = make_policy("none", lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    pol.measure_activations = True
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
     ys = []
     for i, x in enumerate(xs):
@@ -590,3 +591,37 @@ def test_reference_mode_forward_reads_the_public_codes_prediction():
     exact = make_policy("pipeoptim", model, opt, stage=0, stages=D, s_rule="reference", binding=pol.binding)
     with torch.no_grad(), exact.forward("next", s=0):
         assert not torch.allclose(model(x).double(), want, atol=1e-4)   # the exact rule predicts otherwise
+
+
+def test_activation_bytes_are_counted_only_when_asked_and_reading_them_otherwise_says_how():
+    lin = torch.nn.Linear(8, 8, bias=False)
+    pol = make_policy("none", lin, torch.optim.SGD(lin.parameters(), lr=0.1))
+    with pol.forward(0):
+        y = lin(torch.randn(4, 8, requires_grad=True))
+    with pol.backward(0):
+        y.sum().backward()
+    with pytest.raises(RuntimeError, match="measure_activations=True"):
+        pol.peak_activation_bytes
+
+
+@pytest.mark.parametrize("s", [0, 1])
+def test_none_at_s0_saves_no_weight_handles_and_its_gradient_is_the_same(s):
+    """Without counting, `none` lets autograd save the weights itself when no step comes before the backward
+    (s = 0); with a step to come (s = 1) its saved weights still resolve to the real weights at backward."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    pol = make_policy("none", lin, opt)
+    x = torch.randn(4, 8)
+    packed = []
+    real = pol.saved.hooks
+    pol.saved.hooks = lambda *a, **k: (packed.append(1), real(*a, **k))[1]
+    with pol.forward(0, s=s):
+        y = lin(x)
+    assert packed == ([] if s == 0 else [1])
+    ref = torch.nn.Linear(8, 8)
+    ref.load_state_dict({k: v.detach().clone() for k, v in lin.state_dict().items()})
+    with pol.backward(0):
+        (y ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)

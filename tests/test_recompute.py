@@ -219,6 +219,7 @@ def test_weight_pass_recomputes_once_whatever_its_groups():
 
 def test_layer_selection_keeps_only_the_chosen_layers_inputs():
     m, pol, g = _setup("none")
+    pol.measure_activations = True
     x = torch.randn(64, 6, generator=g)
     peaks = {}
     for layers in (None, ALL, (0,), (0, 2)):
@@ -263,9 +264,9 @@ def _pipe(**kw):
     ("async-1f1b", "stash", 4, "fp32"), ("2bw", "2bw", 8, "fp32"), ("async-zb", "stash", 4, "fp32"),
     ("async-zb", "stash", 4, "bf16")])
 def test_stash_pipelines_train_the_same_with_and_without_recomputation(schedule, policy, n, precision, one_thread):
-    a = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision)
+    a = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision, measure_activations=True)
     b = _pipe(schedule=schedule, policy=policy, microbatches=n, precision=precision,
-              checkpoint_stages={0: ALL, 1: [0], 2: [1]})
+              checkpoint_stages={0: ALL, 1: [0], 2: [1]}, measure_activations=True)
     assert [a.train_step(rc.batch(i)) for i in range(3)] == [b.train_step(rc.batch(i)) for i in range(3)]
     pa, pb = a.named_parameters(), b.named_parameters()
     assert all(torch.equal(pa[k], pb[k]) for k in pa)

@@ -43,9 +43,12 @@ Rules for the executor:
   run's. `state_dict()` keys that state by the module's parameter names, so a runtime can re-key it by
   global names and load it into another stage balance.
 - `extra_weight_bytes()` is the memory the policy holds beyond the model, its gradients and the
-  optimizer's own state; `memory_report()` splits it by purpose. `peak_activation_bytes` is the most
-  bytes that forwards in flight had saved for their backwards (each forward's saved storages counted
-  once; weights excluded), which is what the schedule costs in activations on this stage.
+  optimizer's own state; `memory_report()` splits it by purpose. With `measure_activations = True`,
+  `peak_activation_bytes` is the most bytes that forwards in flight had saved for their backwards (each
+  forward's saved storages counted once; weights excluded), which is what the schedule costs in activations
+  on this stage. Off by default: counting needs a Python call per saved tensor, and without it a policy that
+  reads the real weights (`none`) runs a forward whose weights cannot change before its backward (s = 0: every
+  synchronous schedule) with no saved-tensor hooks at all.
 - Activation recomputation (checkpointing): the executor runs a checkpointed forward with
   `recompute_context(mb)` as torch.utils.checkpoint's recompute context (`pipeoptim.recompute`); the
   recomputation then runs inside `backward(mb, ...)` (once per part of a split backward) and the module's
@@ -57,6 +60,7 @@ Rules for the executor:
 """
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 from typing import Any, ClassVar, Hashable, Iterator
 
@@ -104,7 +108,8 @@ class WeightPolicy:
         # flight now and at most so far: the stage's activation memory under this schedule
         self._act: dict[Hashable, int] = {}
         self._act_now = 0
-        self.peak_activation_bytes = 0
+        self._peak_act = 0
+        self.measure_activations = False
         # whether this stage's forwards are (partly) recomputed in their backward (set by the runtime): a policy
         # that keeps something per forward for the recomputation (pipeoptim's recompute_on="forward") asks it
         self.recompute = False
@@ -124,8 +129,12 @@ class WeightPolicy:
             raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
                              "policy.discard(mb)) before reusing the id")
         tag = self._forward_tag(mb, s)
-        acts: dict = {}
-        with self.saved.hooks(tag, self._resolve, acts):
+        acts: dict | None = {} if self.measure_activations else None
+        if s == 0 and acts is None and self.saves_real_weights_at_s0:
+            hooks = contextlib.nullcontext()  # autograd saves the weights itself: no step comes before the backward
+        else:
+            hooks = self.saved.hooks(tag, self._resolve, acts)
+        with hooks:
             if self._reads_own_forward_weights:
                 with self._forward_weights(mb, s):
                     yield
@@ -133,9 +142,10 @@ class WeightPolicy:
                 yield
         if torch.is_grad_enabled():
             self._in_flight[mb] = tag
-            self._act[mb] = sum(acts.values())
-            self._act_now += self._act[mb]
-            self.peak_activation_bytes = max(self.peak_activation_bytes, self._act_now)
+            if acts is not None:
+                self._act[mb] = sum(acts.values())
+                self._act_now += self._act[mb]
+                self._peak_act = max(self._peak_act, self._act_now)
 
     @contextmanager
     def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> Iterator[None]:
@@ -322,6 +332,10 @@ class WeightPolicy:
 
     # ---- what subclasses decide --------------------------------------------------------------------
 
+    # whether a forward with s = 0 may let autograd save the module's weights as they are: true when the forward
+    # reads the real weights and the backward would resolve its saved weights to the same real weights
+    saves_real_weights_at_s0: ClassVar[bool] = False
+
     def _forward_s(self, s: float, lookahead: float) -> float:
         """The version difference the forward predicts for (default: up to the backward on this stage)."""
         return s
@@ -355,6 +369,19 @@ class WeightPolicy:
 
     def _apply_step(self, next_s: float | None) -> None:
         self.optimizer.step()
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The most bytes forwards in flight had saved for their backwards (`measure_activations` must be on)."""
+        if not self.measure_activations:
+            raise RuntimeError(f"{self.name}: activation bytes are counted only with measure_activations=True "
+                               "(Pipeline(measure_activations=True), or set policy.measure_activations before "
+                               "the forwards to count)")
+        return self._peak_act
+
+    @peak_activation_bytes.setter
+    def peak_activation_bytes(self, value: int) -> None:
+        self._peak_act = value
 
     @property
     def _reads_own_forward_weights(self) -> bool:

@@ -11,3 +11,4 @@ from .base import WeightPolicy
 
 class NoPolicy(WeightPolicy):
     name = "none"
+    saves_real_weights_at_s0 = True
