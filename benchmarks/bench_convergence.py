@@ -75,6 +75,10 @@ CANDIDATES = {
                             delay=dict(lr="pipemare", momentum="nesterov", warmup=128)),
     # DC-ASGD's delay compensation on stash (benchmarks/quadratic_delay_model.md)
     "stash-dc": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=1.0)),
+    # its λ swept up: with Adam's small gradients, g⊙g⊙Δw at λ = 1 is a ~1e-4 relative correction
+    "stash-dc10": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=10.0)),
+    "stash-dc100": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=100.0)),
+    "stash-dc1000": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=1000.0)),
 }
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)

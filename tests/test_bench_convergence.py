@@ -135,7 +135,11 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         "nesterov": ("async-1f1b", "stash", torch.optim.NAdam, 0.99, ("pipemare", "nesterov")),
         "pipeoptim-nadam": ("async-1f1b", "pipeoptim", torch.optim.NAdam, 0.99, ("pipemare", "nesterov")),
         "stash-dc": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
+        "stash-dc10": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
+        "stash-dc100": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
+        "stash-dc1000": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
     }
+    dc = {"stash-dc": 1.0, "stash-dc10": 10.0, "stash-dc100": 100.0, "stash-dc1000": 1000.0}
     assert set(expect) == set(bc.CANDIDATES)
     for method, (schedule, policy, opt_type, beta1, rules) in expect.items():
         kw, size = bc.method_config(method, D, 8, window)
@@ -155,6 +159,6 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
                 assert isinstance(st.scheduler, DelayAwareHParams) == (rules is not None), method
                 if rules:
                     assert (st.scheduler.rules.lr, st.scheduler.rules.momentum) == rules
-                assert getattr(st.policy, "dc", 0.0) == (1.0 if method == "stash-dc" else 0.0)
+                assert getattr(st.policy, "dc", 0.0) == dc.get(method, 0.0)
     with pytest.raises(ValueError, match="divisible by 4"):
         bc.method_config("pipeoptim-2bw", 4, 6, 8)
