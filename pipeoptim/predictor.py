@@ -99,7 +99,9 @@ class SavedWeights:
             if hit is None or hit[1] != t.dtype:
                 if activations is not None:
                     activations[key] = storage.nbytes()
-                return t
+                # detached: a saved output kept with its grad_fn would hold its own node (a reference cycle
+                # through C++ that only a backward without retain_graph breaks; the split backward has none)
+                return t.detach()
             return _Handle(hit[0], t.storage_offset(), t.size(), t.stride(), tag, resolve)
 
         def unpack(x):
