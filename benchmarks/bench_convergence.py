@@ -79,6 +79,11 @@ CANDIDATES = {
     "stash-dc10": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=10.0)),
     "stash-dc100": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=100.0)),
     "stash-dc1000": dict(schedule="async-1f1b", policy="stash", policy_options=dict(dc=1000.0)),
+    # Muon for the 2-D weights + AdamW for the rest, at the sweep's lr for both (Muon's updates scaled to AdamW's
+    # RMS, torch's adjust_lr_fn="match_rms_adamw"), momentum 0.95: stashed, and predicted from the last update
+    "stash-muon": dict(schedule="async-1f1b", policy="stash", optimizer="muon", beta1=0.95),
+    "pipeoptim-muon": dict(schedule="async-1f1b", policy="pipeoptim", optimizer="muon", beta1=0.95,
+                           policy_options=dict(delta="last_update")),
 }
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
@@ -281,7 +286,11 @@ def make_optimizer(name: str, lr: float, fused: bool = False, beta1: float = 0.9
     if name == "nadam":  # decoupled decay, as AdamW's
         return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(beta1, 0.999), weight_decay=0.1,
                                             decoupled_weight_decay=True)
-    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam, adamw or nadam")
+    if name == "muon":
+        from pipeoptim.optim import muon_and_adamw
+        return muon_and_adamw(lr=lr, momentum=beta1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+                              adamw_lr=lr, adamw_betas=(0.9, 0.999), adamw_weight_decay=0.1)
+    raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam, adamw, nadam or muon")
 
 
 def updates_per_call(kw: dict, devices: int) -> int:

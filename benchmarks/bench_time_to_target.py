@@ -161,7 +161,7 @@ WORKLOADS = {w.name: w for w in [
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
-                   "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000")),
+                   "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon")),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -205,6 +205,8 @@ METHODS = {
     "stash-dc10": ("stash-dc10", "async-1f1b"),
     "stash-dc100": ("stash-dc100", "async-1f1b"),
     "stash-dc1000": ("stash-dc1000", "async-1f1b"),
+    "stash-muon": ("stash-muon", "async-1f1b"),
+    "pipeoptim-muon": ("pipeoptim-muon", "async-1f1b"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
 ABLATION = ("s-paper", "s-code")   # s-schedule is pipeoptim-exact itself (tests/test_bench_convergence.py)
@@ -214,7 +216,8 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
                  "pipeoptim-exact": "pipeoptim", "s-paper": "pipeoptim", "s-code": "pipeoptim-code",
                  "none": "none", "pipeoptim-2bw": "pipeoptim-2bw", "pipeoptim-2bw-b99": "pipeoptim-2bw",
                  "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash",
-                 "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash"}
+                 "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash",
+                 "stash-muon": "stash", "pipeoptim-muon": "pipeoptim"}
 
 
 # ---- one training run ---------------------------------------------------------------------------------------------

@@ -138,6 +138,8 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         "stash-dc10": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
         "stash-dc100": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
         "stash-dc1000": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
+        "stash-muon": ("async-1f1b", "stash", torch.optim.Muon, 0.95, None),
+        "pipeoptim-muon": ("async-1f1b", "pipeoptim", torch.optim.Muon, 0.95, None),
     }
     dc = {"stash-dc": 1.0, "stash-dc10": 10.0, "stash-dc100": 100.0, "stash-dc1000": 1000.0}
     assert set(expect) == set(bc.CANDIDATES)
@@ -151,8 +153,20 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         pipe.train_step(task.batch(mb * kw["microbatches"]))
         for w in pipe.workers:
             for st in w.stages.values():
-                assert type(st.optimizer) is opt_type, method
-                group = st.optimizer.param_groups[0]
+                if opt_type is torch.optim.Muon:   # Muon for the stage's 2-D weights, AdamW for the rest
+                    kinds = {type(o): o for o in getattr(st.optimizer, "children", [st.optimizer])}
+                    has_matrix = any(p.ndim == 2 for p in st.module.parameters())
+                    assert (torch.optim.Muon in kinds) == has_matrix, method
+                    assert torch.optim.AdamW in kinds, method       # biases (every stage has some)
+                    if not has_matrix:
+                        continue
+                    group = kinds[torch.optim.Muon].param_groups[0]
+                    assert group["adjust_lr_fn"] == "match_rms_adamw", method
+                    if policy == "pipeoptim":
+                        assert st.policy.delta == "last_update", method
+                else:
+                    assert type(st.optimizer) is opt_type, method
+                    group = st.optimizer.param_groups[0]
                 got = group["betas"][0] if "betas" in group else group["momentum"]
                 assert got == pytest.approx(beta1), method
                 assert type(st.policy).__name__ == {"pipeoptim": "PipeOptimPolicy", "stash": "StashPolicy"}[policy]
