@@ -155,40 +155,63 @@ def reference_predict(rule, w, st, group, step, s, mode="exact"):
     return w.double() - s * lr * delta, s * lr * magnitude.abs()
 
 
+def overflow_bound(dtype: torch.dtype) -> float:
+    """The magnitude from which round-to-nearest gives inf in `dtype`: its largest finite value plus half an
+    ulp there (float16: 65520)."""
+    fi = torch.finfo(dtype)
+    ulp_at_max = fi.max * fi.eps / (2 - fi.eps)
+    return fi.max + ulp_at_max / 2
+
+
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, term: torch.Tensor, *, ulps: float = 1.0,
                               msg: str = "") -> None:
     """Within `ulps` ulp of the output dtype, plus fp32 rounding of the terms the kernel computed in fp32.
 
     fp32 maths: a few roundings of s·lr·Δ's operands (up to 16 fp32 eps of `term`, the magnitude from
     `reference_predict`), then one rounding into out's dtype
-    (≤ 1 ulp, which also covers truncating stores).
+    (≤ 1 ulp, which also covers truncating stores). Where that rounding overflows (|ref| past the dtype's
+    overflow bound by more than the fp32 error) the right value is inf of ref's sign; within the error of
+    the bound, inf and the largest finite value are both right.
     """
     eps_out = torch.finfo(out.dtype).eps
     eps32 = torch.finfo(torch.float32).eps
     tiny = torch.finfo(out.dtype).tiny if out.dtype != torch.float32 else 1e-30
     tol = ulps * eps_out * ref.abs() + 16 * eps32 * term + 1e-6 * eps32 + tiny
-    err = (out.double() - ref).abs()
-    bad = ~(err <= tol)
+    got = out.double()
+    err = (got - ref).abs()
+    may_overflow = ref.abs() + 16 * eps32 * term >= overflow_bound(out.dtype)
+    overflowed = torch.isinf(got) & (got.sign() == ref.sign()) & may_overflow
+    bad = ~((err <= tol) | overflowed)
     if bad.any():
         i = int(bad.nonzero()[0])
         raise AssertionError(f"{msg}: {int(bad.sum())} of {out.numel()} elements off; first at {i}: "
                              f"got {out[i].item()!r}, reference {ref[i].item()!r}, tolerance {tol[i].item():.3g}")
 
 
+def reference_second_moment(v_before, grad, w, hp, rule, max_before=None):
+    """Adam's v = β2·v + (1−β2)·g² in float64 (g with coupled weight decay for Adam), and AMSGrad's running
+    maximum of it when `max_before` is given."""
+    beta2 = hp.get("betas", (0.9, 0.999))[1]
+    coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
+    g = grad.double().cpu() + coupled * w.double().cpu()
+    v = beta2 * v_before.double().cpu() + (1.0 - beta2) * g ** 2
+    return v, (None if max_before is None else torch.maximum(max_before.double().cpu(), v))
+
+
 def assert_second_moment_close(got, want, v_before, grad, w, hp, rule, msg):
     """v = β2·v + (1−β2)·g² is a sum of positive terms: a correct fp32 step is a few ulps off relatively to
     the magnitude of its terms, g's included (coupled weight decay can make g = grad + wd·w cancel). An
     absolute bound would hide a relative error in v ≈ 1e-3·g² (see test_kernels_step_predict's
-    test_adam_second_moment_forms_one_minus_beta_in_double)."""
+    test_adam_second_moment_forms_one_minus_beta_in_double). A NaN in either is an error."""
     beta2 = hp.get("betas", (0.9, 0.999))[1]
     coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
     g_magnitude = grad.double().abs() + coupled * w.double().abs()
     scale = beta2 * v_before.double() + (1.0 - beta2) * g_magnitude ** 2
     err = (got.double().cpu() - want.double().cpu()).abs()
     scale = scale.cpu()
-    bad = err > 8 * torch.finfo(torch.float32).eps * scale
-    assert not bad.any(), (f"{msg}: {int(bad.sum())} elements off, worst relative "
-                           f"{(err / scale).max().item():.2e} of the terms' magnitude")
+    bad = ~(err <= 8 * torch.finfo(torch.float32).eps * scale)
+    assert not bad.any(), (f"{msg}: {int(bad.sum())} elements off ({int(err.isnan().sum())} NaN), worst relative "
+                           f"{(err / scale).nan_to_num(nan=float('inf')).max().item():.2e} of the terms' magnitude")
 
 
 # ---- checks shared by the CPU tests and tests/gpu -------------------------------------------------------

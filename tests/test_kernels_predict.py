@@ -128,3 +128,27 @@ def test_custom_rule_runs_on_eager(gen):
         pk.predict(name, w, {"grad": g}, {"lr": 0.1}, step=1, s=2, backend="cpu")
     with pytest.raises(ValueError, match="already registered"):
         pk.register_rule(name, lambda *a: None)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKEND_IDS, indirect=True)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+def test_prediction_past_the_output_dtypes_range_is_inf(out_dtype, backend, gen):
+    """A prediction past the output dtype's range rounds to inf of its sign, and the reference check accepts
+    that (found on the H200: a float16 prediction of 1.3e7 from a second moment near 0 was reported as off).
+    A finite largest value in its place is still an error."""
+    n = 37
+    big = 1e6 if out_dtype == torch.float16 else 1e39   # float16 ends at 65504, bfloat16 at 3.39e38
+    w = torch.randn(n, generator=gen)
+    m = torch.full((n,), big / 10.0 if out_dtype == torch.float16 else 3e38)
+    m[::2] *= -1
+    v = torch.full((n,), 1e-30)
+    group = dict(lr=1.0, betas=(0.0, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
+    out = torch.full((n,), float("nan"), dtype=out_dtype)
+    pk.predict("adam", w, {"exp_avg": m, "exp_avg_sq": v}, group, step=3, s=2, out=out, backend=backend)
+    ref, term = reference_predict("adam", w, {"exp_avg": m, "exp_avg_sq": v}, group, 3, 2)
+    assert (ref.abs() > big / 10).all(), "the case must overflow the output dtype"
+    assert torch.isinf(out).all() and torch.equal(out.sign(), ref.sign().to(out_dtype)), out
+    assert_close_to_reference(out, ref, term, msg=f"{backend} {out_dtype} seed={gen.initial_seed()}")
+    clipped = torch.where(ref > 0, torch.finfo(out_dtype).max, torch.finfo(out_dtype).min).to(out_dtype)
+    with pytest.raises(AssertionError, match="elements off"):
+        assert_close_to_reference(clipped, ref, term, msg="the largest finite value instead of inf")

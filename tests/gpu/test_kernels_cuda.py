@@ -7,7 +7,7 @@ import torch
 
 import pipeoptim_kernels as pk
 from kernel_reference import (CONFIGS, assert_close_to_reference, assert_second_moment_close, check_predict,
-                              config_id, reference_predict)
+                              config_id, reference_predict, reference_second_moment)
 
 ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False)
 SGD = dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, maximize=False)
@@ -46,8 +46,12 @@ def test_predict_matches_reference(cfg, backend, gpu, gen):
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("rule,cls,hp", STEP_CASES, ids=lambda x: str(x))
 def test_step_predict_matches_torch(rule, cls, hp, backend, impl, gpu, gen):
-    """The step equals torch.optim's own step on the device (second moments relatively, see
-    kernel_reference.assert_second_moment_close); the prediction equals the float64 reference."""
+    """The step equals torch.optim's own step on the device, and the second moments the float64 reference
+    (relatively, see kernel_reference.assert_second_moment_close); the prediction equals the float64 reference.
+
+    The second moments are compared with torch's own only for foreach: torch's fused CUDA Adam casts β2 to
+    float32 before forming 1 − β2 (1.3e-5 relatively off at β2 = 0.999, 1.7e-4 at 0.9999: measured on the H200,
+    torch 2.11), where torch.optim's other implementations and ours form it in double."""
     n = 4096 if gpu.quick else (1 << 20) + 3
     dev = gpu.device
     p = torch.nn.Parameter(rand(n, gen, dev))
@@ -61,14 +65,22 @@ def test_step_predict_matches_torch(rule, cls, hp, backend, impl, gpu, gen):
         opt.step()
         out = torch.full((n,), float("nan"), device=dev, dtype=torch.bfloat16)
         before = {k: t.clone() for k, t in state.items()}
+        w_before = w.clone()
+        if "exp_avg_sq" in before:
+            v_ref, max_ref = reference_second_moment(before["exp_avg_sq"], g, w, hp, rule,
+                                                     before.get("max_exp_avg_sq"))
         pk.step_predict(rule, w, g, state, opt.param_groups[0], step=step, s=2, out=out,
                         backend=backend_for(gpu, backend))
         msg = f"{backend} {impl} {rule} {hp} step {step + 1} seed={gen.initial_seed()}"
         torch.testing.assert_close(w, p.detach(), rtol=4e-6, atol=2.5e-7, msg=lambda m: f"{msg}: w {m}")
         for k in names:
             if k in ("exp_avg_sq", "max_exp_avg_sq"):
-                assert_second_moment_close(state[k], opt.state[p][k], before["exp_avg_sq"], g, w, hp, rule,
-                                           msg=f"{msg}: {k}")
+                ref_k = v_ref if k == "exp_avg_sq" else max_ref
+                assert_second_moment_close(state[k], ref_k, before["exp_avg_sq"], g, w_before, hp, rule,
+                                           msg=f"{msg}: {k} against the float64 reference")
+                if impl == "foreach":
+                    assert_second_moment_close(state[k], opt.state[p][k], before["exp_avg_sq"], g, w_before, hp, rule,
+                                               msg=f"{msg}: {k} against torch")
             else:
                 torch.testing.assert_close(state[k], opt.state[p][k], rtol=4e-6, atol=2.5e-7,
                                            msg=lambda m: f"{msg}: {k} {m}")
