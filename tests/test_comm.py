@@ -71,6 +71,7 @@ def _p2p_job():
                 report["storages"].append([None if t is None else t.untyped_storage().data_ptr() for t in got])
         p2p.finish()
     report["sent_ops"] = sent_ops
+    report["layouts"] = (len(p2p.sent_layouts), len(p2p.recv_layouts))
     return report
 
 
@@ -132,3 +133,12 @@ def test_header_round_trip():
     xs = (torch.zeros(2, 3, dtype=torch.bfloat16), None, torch.zeros((), dtype=torch.int64))
     h = pack_header(xs, torch.device("cpu"))
     assert unpack_header(h) == [(torch.bfloat16, (2, 3)), None, (torch.int64, ())]
+
+
+def test_a_rank_holds_one_layout_per_slot_however_often_shapes_change(reports):
+    """Shapes changed 5 times per iteration over 2 slots (F and B): each rank keeps the current layout of each
+    slot, not one per shape it ever saw (the module-wide cache this replaced grew without bound)."""
+    from pipeoptim.runtime import comm
+    assert reports[0]["layouts"] == (2, 0) and reports[1]["layouts"] == (0, 2)
+    assert not any(isinstance(v, dict) and v and all(isinstance(x, comm.Layout) for x in v.values())
+                   for v in vars(comm).values())

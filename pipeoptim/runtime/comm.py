@@ -135,16 +135,6 @@ class Layout:
         return buf[:_FLAG_BYTES].view(torch.int64)
 
 
-_LAYOUTS: dict = {}
-
-
-def layout_of(metas: Metas) -> Layout:
-    lay = _LAYOUTS.get(metas)
-    if lay is None:
-        lay = _LAYOUTS[metas] = Layout(metas)
-    return lay
-
-
 class _Buffers:
     """Byte buffers reused across iterations, one per (peer, message index in the channel)."""
 
@@ -175,8 +165,10 @@ class P2P:
         the other end); the executor's tells the rank's watchdog what it waits for."""
         self.plan, self.me, self.global_rank, self.device = plan, me, global_rank, device
         self.wait = wait or (lambda work, what, peer: work.wait())
-        self.sent_metas: dict[tuple, Metas] = {}     # slot -> shapes the receiver expects from this rank
-        self.recv_metas: dict[tuple, Metas] = {}     # slot -> shapes this rank expects
+        # slot -> the layout (shapes) agreed for it: the receiver expects it from this rank / this rank expects it;
+        # one per slot, so a job whose shapes keep changing holds no more layouts than it has slots
+        self.sent_layouts: dict[tuple, Layout] = {}
+        self.recv_layouts: dict[tuple, Layout] = {}
         self._send_bufs = _Buffers(device)
         self._recv_bufs = _Buffers(device)
         self.reset(plan)
@@ -198,25 +190,24 @@ class P2P:
         peer = self.global_rank(dst)
         slot = slot_of(dst, key)
         metas = metas_of(tensors)
-        agreed = self.sent_metas.get(slot)
+        agreed = self.sent_layouts.get(slot)
         i = self.sent.get(dst, 0)
         self.sent[dst] = i + 1
-        if agreed == metas:
-            keep = [self._pack(dst, i, metas, tensors)]
+        if agreed is not None and agreed.metas == metas:
+            keep = [self._pack(dst, i, agreed, tensors)]
         else:
             header = pack_header(tensors, self.device)   # checks dtypes and ranks before anything is sent
-            keep = [header, self._pack(dst, i, metas, tensors)]
+            layout = Layout(metas)
+            keep = [header, self._pack(dst, i, layout, tensors)]
             if agreed is not None:                       # fill the receive the peer posted in the old layout
-                old = layout_of(agreed)
-                fill = torch.zeros(old.nbytes, dtype=torch.uint8, device=self.device)
-                old.flag(fill).fill_(_CHANGED)
+                fill = torch.zeros(agreed.nbytes, dtype=torch.uint8, device=self.device)
+                agreed.flag(fill).fill_(_CHANGED)
                 keep = [fill] + keep
-            self.sent_metas[slot] = metas
+            self.sent_layouts[slot] = layout
         ops = [dist.P2POp(dist.isend, t, peer) for t in keep]
         self.pending.append((dist.batch_isend_irecv(ops), keep, key, dst))
 
-    def _pack(self, dst: int, index: int, metas: Metas, tensors: tuple) -> torch.Tensor:
-        layout = layout_of(metas)
+    def _pack(self, dst: int, index: int, layout: Layout, tensors: tuple) -> torch.Tensor:
         buf = self._send_bufs.get((dst, index), layout.nbytes)   # its last send completed at the last finish()
         layout.flag(buf).fill_(_SAME)
         with torch.no_grad():
@@ -243,9 +234,8 @@ class P2P:
         seq = self.plan.channels.get((src, self.me), [])
         i = self.taken.get(src, 0)
         if i < len(seq) and src not in self.posted:
-            agreed = self.recv_metas.get(slot_of(src, seq[i]))
-            if agreed is not None:
-                layout = layout_of(agreed)
+            layout = self.recv_layouts.get(slot_of(src, seq[i]))
+            if layout is not None:
                 self.posted[src] = _Posted(self.global_rank(src), layout,
                                            self._recv_bufs.get((src, i), layout.nbytes))
 
@@ -260,12 +250,11 @@ class P2P:
         h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer)]):
             self.wait(w, f"the header of {key}'s input from rank {peer}", peer)
-        metas = tuple(unpack_header(h))
-        layout = layout_of(metas)
+        layout = Layout(tuple(unpack_header(h)))
         buf = self._recv_bufs.get((src, index), layout.nbytes)
         for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer)]):
             self.wait(w, f"{key}'s input from rank {peer}", peer)
-        self.recv_metas[slot_of(src, key)] = metas
+        self.recv_layouts[slot_of(src, key)] = layout
         return layout.views(buf)
 
     def finish(self) -> None:
