@@ -84,6 +84,8 @@ CANDIDATES = {
     "stash-muon": dict(schedule="async-1f1b", policy="stash", optimizer="muon", beta1=0.95),
     "pipeoptim-muon": dict(schedule="async-1f1b", policy="pipeoptim", optimizer="muon", beta1=0.95,
                            policy_options=dict(delta="last_update")),
+    # the synchronous baseline with the same Muon + AdamW (policy None: one micro-batch per step, as "sync")
+    "sync-muon": dict(schedule="1f1b", policy=None, optimizer="muon", beta1=0.95),
 }
 
 # suite -> settings. lr chosen so that the synchronous reference converges and staleness is visible (see RESULTS.md)
@@ -239,6 +241,8 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
     """Pipeline keyword arguments and the per-micro-batch size for `method`."""
     if method in CANDIDATES:
         c = CANDIDATES[method]
+        if c["policy"] is None:
+            return dict(schedule=c["schedule"], policy=None, microbatches=1), mbs
         kw = dict(schedule=c["schedule"], policy=c["policy"], microbatches=window,
                   policy_options=dict(c.get("policy_options", {})))
         if c.get("delay"):

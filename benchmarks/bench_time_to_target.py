@@ -161,7 +161,8 @@ WORKLOADS = {w.name: w for w in [
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
-                   "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon")),
+                   "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon",
+                   "sync-muon")),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -207,8 +208,14 @@ METHODS = {
     "stash-dc1000": ("stash-dc1000", "async-1f1b"),
     "stash-muon": ("stash-muon", "async-1f1b"),
     "pipeoptim-muon": ("pipeoptim-muon", "async-1f1b"),
+    # the synchronous schedules with the same Muon + AdamW
+    "1f1b-muon": ("sync-muon", "1f1b"),
+    "bitpipe-muon": ("sync-muon", "bitpipe"),
+    "zbv-muon": ("sync-muon", "zbv"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
+# runs of a synchronous schedule: their updates do not depend on the depth, so they are trained once (devices 0)
+SYNC_RUNS = ("sync",) + tuple(m for m, c in bc.CANDIDATES.items() if c["policy"] is None)
 ABLATION = ("s-paper", "s-code")   # s-schedule is pipeoptim-exact itself (tests/test_bench_convergence.py)
 REFERENCE = "pipeoptim"
 # the weight policy each convergence run uses on every stage (what its per-stage work is measured with)
@@ -217,7 +224,10 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
                  "none": "none", "pipeoptim-2bw": "pipeoptim-2bw", "pipeoptim-2bw-b99": "pipeoptim-2bw",
                  "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash",
                  "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash",
-                 "stash-muon": "stash", "pipeoptim-muon": "pipeoptim"}
+                 "stash-muon": "stash-muon", "pipeoptim-muon": "pipeoptim-muon", "sync-muon": "none-muon"}
+# stage-cost variants measured with Muon + AdamW (bench_convergence's "muon"), not the workload's optimizer
+MUON_VARIANTS = {"none-muon": ("none", {}), "stash-muon": ("stash", {}),
+                 "pipeoptim-muon": ("pipeoptim", {"delta": "last_update"})}
 
 
 # ---- one training run ---------------------------------------------------------------------------------------------
@@ -421,7 +431,7 @@ def run_curves(calls: list[tuple], jobs: int, threads: int, done: Callable[[tupl
 
 # ---- choosing each method's learning rate ---------------------------------------------------------------------
 def run_depths(wl: Workload, run: str) -> list[int]:
-    return [0] if run == "sync" else list(wl.depths)
+    return [0] if run in SYNC_RUNS else list(wl.depths)
 
 
 def best_lr(wl: Workload, rows: list[dict], run: str, devices: int) -> float | None:
@@ -514,10 +524,23 @@ def steady_s(devices: int, window: int, stage: int) -> tuple[int, int]:
     return plan.s_forward(Forward(mb, stage)), plan.s_backward.get((mb, Chunk(0, stage)), 0)
 
 
-def measure_stage_overheads(wl: Workload) -> list[dict]:
+STAGE_VARIANTS = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code", "pipeoptim-2bw")
+
+
+def needed_variants(wl: Workload) -> tuple[str, ...]:
+    """The stage-cost variants the workload's time model reads: the standard ones, and the Muon ones when the
+    workload trains a Muon run."""
+    runs = {"sync"} | set(wl.async_runs)
+    return STAGE_VARIANTS + tuple(v for v in MUON_VARIANTS if any(POLICY_OF_RUN.get(r) == v for r in runs))
+
+
+def measure_stage_overheads(wl: Workload, variants: tuple[str, ...] = STAGE_VARIANTS) -> list[dict]:
     """Per depth, stage and weight policy: the policy's own seconds per micro-batch around the forward and the
     backward (entering and leaving its contexts: predictions, swaps) and per optimizer step (the step itself, fused
-    predictions, weight copies), in a steady-state loop that keeps the schedule's s micro-batches in flight."""
+    predictions, weight copies), in a steady-state loop that keeps the schedule's s micro-batches in flight.
+    A MUON_VARIANTS variant steps with Muon + AdamW (bench_convergence's "muon", momentum 0.95) instead of the
+    workload's optimizer."""
+    from pipeoptim.optim import as_optimizer
     from pipeoptim.policies import make_policy
     from pipeoptim.train import StageModule
     import copy
@@ -529,7 +552,6 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
         for layer in task.layers:
             inputs.append(h)
             h = StageModule([layer])(*(h if isinstance(h, tuple) else (h,)))
-    variants = ("none", "stash", "2bw", "spectrain", "pipeoptim", "pipeoptim-code", "pipeoptim-2bw")
     rows = []
     for D in wl.depths:
         balance = wl.stage_balance(D) or _even(len(task.layers), D)
@@ -538,10 +560,15 @@ def measure_stage_overheads(wl: Workload) -> list[dict]:
             s, look = steady_s(D, wl.window, k)
             for variant in variants:
                 module = StageModule([copy.deepcopy(m) for m in task.layers[starts[k]:starts[k] + balance[k]]])
-                opt = bc.make_optimizer(wl.optimizer, min(wl.lrs), wl.fused_optimizer)(module.parameters())
-                policy = "pipeoptim" if variant.startswith("pipeoptim") else variant
+                options = {}
+                if variant in MUON_VARIANTS:
+                    policy, options = MUON_VARIANTS[variant]
+                    opt = as_optimizer(bc.make_optimizer("muon", min(wl.lrs), beta1=0.95)(module.parameters()))
+                else:
+                    policy = "pipeoptim" if variant.startswith("pipeoptim") else variant
+                    opt = bc.make_optimizer(wl.optimizer, min(wl.lrs), wl.fused_optimizer)(module.parameters())
                 per_update = D if variant in TWO_BW_VARIANTS else 1
-                pol = make_policy(policy, module, opt, update_every=per_update)
+                pol = make_policy(policy, module, opt, update_every=per_update, **options)
                 s_v = float(D - k) if variant == "pipeoptim-code" else float(s)
                 fo, bo, st = _policy_loop(pol, module, inputs[starts[k]], s_v, float(look), int(s),
                                           iters=wl.overhead_iters * per_update)
@@ -618,8 +645,16 @@ def load_or_measure_costs(wl: Workload, out: str, measure: bool = True) -> "Meas
             raise SystemExit(f"no measured costs in {out} for {wl.name}; run without --report first")
         print(f"{wl.name}: measuring per-layer and per-stage costs (1 thread)", flush=True)
         _write_csv(paths[0], measure_layer_costs(wl))
-        _write_csv(paths[1], measure_stage_overheads(wl))
-    return MeasuredCosts(wl, _read_csv(paths[0]), _read_csv(paths[1]))
+        _write_csv(paths[1], measure_stage_overheads(wl, needed_variants(wl)))
+    stage_rows = _read_csv(paths[1])
+    missing = tuple(v for v in needed_variants(wl) if not any(r["variant"] == v for r in stage_rows))
+    if missing:   # a run added to the workload after its costs were measured: measure only its variants
+        if not measure:
+            raise SystemExit(f"no stage costs in {paths[1]} for {', '.join(missing)}; run without --report first")
+        print(f"{wl.name}: measuring the stage costs of {', '.join(missing)} (1 thread)", flush=True)
+        stage_rows += [{k: str(v) for k, v in r.items()} for r in measure_stage_overheads(wl, missing)]
+        _write_csv(paths[1], stage_rows)
+    return MeasuredCosts(wl, _read_csv(paths[0]), stage_rows)
 
 
 class MeasuredCosts:
@@ -761,7 +796,7 @@ def summarise(wl: Workload, rows: list[dict], costs: MeasuredCosts, target: floa
 
 def _result(wl, rows, costs, target, name, run, schedule, D, lr=None) -> MethodResult | None:
     from pipeoptim.schedules.errors import ScheduleConfigError
-    rd = 0 if run == "sync" else D
+    rd = 0 if run in SYNC_RUNS else D
     if lr is None:
         lr = best_lr(wl, rows, run, rd)
     mine = [r for r in rows if r["method"] == run and r["devices"] == rd]
@@ -972,7 +1007,7 @@ def _plot(wl: Workload, rows: list[dict], costs: MeasuredCosts, out: str) -> Non
         lows = []
         for r in sorted((r for r in results if r.devices == D and r.method in METHODS), key=lambda r: r.method):
             run = METHODS[r.method][0]
-            rd = 0 if run == "sync" else D
+            rd = 0 if run in SYNC_RUNS else D
             curves = [x["curve"] for x in rows if x["method"] == run and x["devices"] == rd and x["lr"] == r.lr
                       and x["seed"] in wl.seeds]
             by_step = defaultdict(list)
@@ -984,7 +1019,7 @@ def _plot(wl: Workload, rows: list[dict], costs: MeasuredCosts, out: str) -> Non
                 continue
             mean = [statistics.mean(by_step[s]) for s in steps]
             lows.append(min(mean))
-            style = "-" if run != "sync" else "--"
+            style = "--" if run in SYNC_RUNS else "-"
             ax.plot([s * r.time["time_s"] for s in steps], mean, style, lw=2.0 if r.method == REFERENCE else 1.2,
                     label=f"{r.method} (lr {r.lr:g})")
         ax.axhline(wl.targets[0], color="k", lw=0.8, ls=":")

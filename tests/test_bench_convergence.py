@@ -140,6 +140,7 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         "stash-dc1000": ("async-1f1b", "stash", torch.optim.SGD, 0.9, None),
         "stash-muon": ("async-1f1b", "stash", torch.optim.Muon, 0.95, None),
         "pipeoptim-muon": ("async-1f1b", "pipeoptim", torch.optim.Muon, 0.95, None),
+        "sync-muon": ("1f1b", None, torch.optim.Muon, 0.95, None),
     }
     dc = {"stash-dc": 1.0, "stash-dc10": 10.0, "stash-dc100": 100.0, "stash-dc1000": 1000.0}
     assert set(expect) == set(bc.CANDIDATES)
@@ -147,7 +148,8 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         kw, size = bc.method_config(method, D, 8, window)
         assert (kw["schedule"], kw["policy"]) == (schedule, policy), method
         assert size == (8 // D if schedule == "2bw" else 8), method
-        assert bc.updates_per_call(kw, D) == (window // D if schedule == "2bw" else window)
+        per_call = 1 if policy is None else window // D if schedule == "2bw" else window   # sync: one per step
+        assert bc.updates_per_call(kw, D) == per_call, method
         task = bc.Task("digits", 0)
         pipe, mb, kw = bc.build_pipeline(method, task, {**TINY, "devices": D}, window)
         pipe.train_step(task.batch(mb * kw["microbatches"]))
@@ -169,7 +171,8 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
                     group = st.optimizer.param_groups[0]
                 got = group["betas"][0] if "betas" in group else group["momentum"]
                 assert got == pytest.approx(beta1), method
-                assert type(st.policy).__name__ == {"pipeoptim": "PipeOptimPolicy", "stash": "StashPolicy"}[policy]
+                assert type(st.policy).__name__ == {"pipeoptim": "PipeOptimPolicy", "stash": "StashPolicy",
+                                                    None: "NoPolicy"}[policy], method
                 assert isinstance(st.scheduler, DelayAwareHParams) == (rules is not None), method
                 if rules:
                     assert (st.scheduler.rules.lr, st.scheduler.rules.momentum) == rules

@@ -427,3 +427,63 @@ def test_a_run_recorded_twice_counts_once(tmp_path):
     ttt._append(path, {**row, "seed": 1})
     runs = ttt.read_runs(path)
     assert [(r["seed"], float(r["final"])) for r in runs] == [(0, 0.5), (1, 0.5)]
+
+
+def test_a_synchronous_candidate_is_trained_once_and_timed_on_every_synchronous_schedule():
+    """sync-muon (Muon + AdamW on a synchronous schedule) is trained at devices 0 like "sync", and its methods are
+    the synchronous schedules, charged Muon's measured stage work."""
+    assert "sync-muon" in ttt.SYNC_RUNS
+    wl = ttt.WORKLOADS["gpt16-async"]
+    assert ttt.run_depths(wl, "sync-muon") == [0]
+    planned = ttt.plan_runs(dataclasses.replace(wl, runs=("sync-muon",), train_sync=False), [], "sweep")
+    assert {(m, d) for m, d, *_ in planned} == {("sync-muon", 0)}
+    assert {name for name, (run, _) in ttt.METHODS.items() if run == "sync-muon"} == \
+        {"1f1b-muon", "bitpipe-muon", "zbv-muon"}
+    assert {ttt.POLICY_OF_RUN[r] for r in ("sync-muon", "stash-muon", "pipeoptim-muon")} == set(ttt.MUON_VARIANTS)
+    assert set(ttt.MUON_VARIANTS) <= set(ttt.needed_variants(wl))
+    assert ttt.needed_variants(QUICK) == ttt.STAGE_VARIANTS
+
+
+def test_stage_costs_missing_a_new_runs_variant_are_completed_not_remeasured(tmp_path, monkeypatch):
+    """A run added to a workload after its costs were measured: only its variants are measured and appended; the
+    rows already there stay as they were; --report (measure=False) refuses instead of measuring."""
+    wl = dataclasses.replace(QUICK, runs=("stash", "stash-muon"))
+    layer = tmp_path / f"time_to_target_{wl.name}_layer_costs.csv"
+    stage = tmp_path / f"time_to_target_{wl.name}_stage_costs.csv"
+    layer.write_text("layer,microbatch_size,forward_s,backward_s\n0,1,0.001,0.002\n")
+    old = [{"devices": 2, "stage": 0, "variant": v, "s": 1.0, "lookahead": 0, "forward_overhead_s": 0.5,
+            "backward_overhead_s": 0.5, "step_s": 0.5} for v in ttt.STAGE_VARIANTS]
+    ttt._write_csv(str(stage), old)
+    with pytest.raises(SystemExit, match="stash-muon"):
+        ttt.load_or_measure_costs(wl, str(tmp_path), measure=False)
+    asked = []
+
+    def fake_measure(w, variants):
+        asked.append(variants)
+        return [{**old[0], "variant": v, "step_s": 9.0} for v in variants]
+    monkeypatch.setattr(ttt, "measure_stage_overheads", fake_measure)
+    costs = ttt.load_or_measure_costs(wl, str(tmp_path))
+    assert asked == [("stash-muon",)]
+    assert costs.stage[(2, 0, "stash-muon")][2] == 9.0 and costs.stage[(2, 0, "stash")][2] == 0.5
+    ttt.load_or_measure_costs(wl, str(tmp_path))
+    assert asked == [("stash-muon",)]   # measured once, kept in the CSV
+
+
+def test_muon_stage_work_is_measured_with_muon(one_thread, monkeypatch):
+    """A Muon variant steps with Muon + AdamW and the policy options of its run (prediction from the last update)."""
+    import torch
+    from pipeoptim import policies
+    seen = []
+    real = policies.make_policy
+
+    def spy(name, module, opt, **options):
+        seen.append((name, type(opt).__name__, options))
+        return real(name, module, opt, **options)
+    monkeypatch.setattr(policies, "make_policy", spy)
+    wl = dataclasses.replace(QUICK, depths=(2,), overhead_iters=2)
+    rows = ttt.measure_stage_overheads(wl, ("pipeoptim-muon", "stash"))
+    assert {(r["variant"], r["stage"]) for r in rows} == {(v, k) for v in ("pipeoptim-muon", "stash") for k in (0, 1)}
+    muon = [x for x in seen if x[2].get("delta") == "last_update"]
+    assert muon and all(x[0] == "pipeoptim" for x in muon)
+    assert all(x[1] != "SGD" for x in muon) and all(x[1] == "SGD" for x in seen if x not in muon)
+    assert all(r["step_s"] > 0 for r in rows)
