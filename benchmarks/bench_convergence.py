@@ -84,6 +84,11 @@ CANDIDATES = {
     "stash-muon": dict(schedule="async-1f1b", policy="stash", optimizer="muon", beta1=0.95),
     "pipeoptim-muon": dict(schedule="async-1f1b", policy="pipeoptim", optimizer="muon", beta1=0.95,
                            policy_options=dict(delta="last_update")),
+    # 2BW (one update of delay, the delay the 2026 reports find Muon robust to) with the same Muon + AdamW, plain
+    # and with PipeOptim predicting the one remaining update from the last one
+    "2bw-muon": dict(schedule="2bw", policy="2bw", optimizer="muon", beta1=0.95),
+    "pipeoptim-2bw-muon": dict(schedule="2bw", policy="pipeoptim", optimizer="muon", beta1=0.95,
+                               policy_options=dict(delta="last_update")),
     # the synchronous baseline with the same Muon + AdamW (policy None: one micro-batch per step, as "sync")
     "sync-muon": dict(schedule="1f1b", policy=None, optimizer="muon", beta1=0.95),
 }

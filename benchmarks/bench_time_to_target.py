@@ -157,12 +157,13 @@ WORKLOADS = {w.name: w for w in [
     Workload("gpt16", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
              window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16)),
     # issue 20's study: gpt16 with a warm-up of 64 updates for every method, the sweep widened until each best is
-    # bracketed, the section-6 asynchronous methods beside the candidates (bench_convergence.CANDIDATES)
+    # bracketed, the section-6 asynchronous methods beside the candidates (bench_convergence.CANDIDATES); four
+    # widenings (lr up to 3.2e-2), as synchronous Muon was still fastest at 8e-3, then at 1.6e-2
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
-             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
+             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=4,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
                    "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon",
-                   "sync-muon")),
+                   "sync-muon", "2bw-muon", "pipeoptim-2bw-muon")),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -212,6 +213,8 @@ METHODS = {
     "1f1b-muon": ("sync-muon", "1f1b"),
     "bitpipe-muon": ("sync-muon", "bitpipe"),
     "zbv-muon": ("sync-muon", "zbv"),
+    "2bw-muon": ("2bw-muon", "2bw"),
+    "pipeoptim-2bw-muon": ("pipeoptim-2bw-muon", "2bw"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
 # runs of a synchronous schedule: their updates do not depend on the depth, so they are trained once (devices 0)
@@ -224,10 +227,12 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
                  "none": "none", "pipeoptim-2bw": "pipeoptim-2bw", "pipeoptim-2bw-b99": "pipeoptim-2bw",
                  "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash",
                  "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash",
-                 "stash-muon": "stash-muon", "pipeoptim-muon": "pipeoptim-muon", "sync-muon": "none-muon"}
+                 "stash-muon": "stash-muon", "pipeoptim-muon": "pipeoptim-muon", "sync-muon": "none-muon",
+                 "2bw-muon": "2bw-muon", "pipeoptim-2bw-muon": "pipeoptim-2bw-muon"}
 # stage-cost variants measured with Muon + AdamW (bench_convergence's "muon"), not the workload's optimizer
 MUON_VARIANTS = {"none-muon": ("none", {}), "stash-muon": ("stash", {}),
-                 "pipeoptim-muon": ("pipeoptim", {"delta": "last_update"})}
+                 "pipeoptim-muon": ("pipeoptim", {"delta": "last_update"}), "2bw-muon": ("2bw", {}),
+                 "pipeoptim-2bw-muon": ("pipeoptim", {"delta": "last_update"})}
 
 
 # ---- one training run ---------------------------------------------------------------------------------------------
@@ -578,7 +583,8 @@ def measure_stage_overheads(wl: Workload, variants: tuple[str, ...] = STAGE_VARI
     return rows
 
 
-TWO_BW_VARIANTS = ("2bw", "pipeoptim-2bw")   # stage work measured with one update per D micro-batches
+# stage work measured with one update per D micro-batches
+TWO_BW_VARIANTS = ("2bw", "pipeoptim-2bw", "2bw-muon", "pipeoptim-2bw-muon")
 
 
 def _even(layers: int, devices: int) -> list[int]:

@@ -95,6 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "
                         "(--lr) on 2-D weights beside AdamW (lr 1e-3) on the rest, predicted with --predict-from "
                         "last_update")
+    p.add_argument("--muon-scale", choices=("original", "adamw"), default="original",
+                   help="--optimizer muon: original (torch's default: Muon's update scaled by its matrix's shape, "
+                        "AdamW at lr 1e-3 on the rest, --weight-decay on AdamW only) or adamw (Muon's update scaled "
+                        "to AdamW's RMS, torch's adjust_lr_fn='match_rms_adamw', so --lr and --weight-decay serve "
+                        "both: what the async-transformer-muon recipe was measured with)")
     p.add_argument("--momentum", type=float, default=None,
                    help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
     p.add_argument("--weight-decay", type=_non_negative_float, default=None,
@@ -162,7 +167,7 @@ def recipe_names() -> list[str]:
 # the flags a recipe may set, as they are spelled on the command line
 RECIPE_FLAGS = {"schedule": "--schedule", "policy": "--policy", "optimizer": "--optimizer", "momentum": "--momentum",
                 "weight_decay": "--weight-decay", "delay_lr": "--delay-lr", "delay_momentum": "--delay-momentum",
-                "delay_warmup": "--delay-warmup"}
+                "delay_warmup": "--delay-warmup", "predict_from": "--predict-from", "muon_scale": "--muon-scale"}
 
 
 def apply_recipe(args) -> None:
@@ -388,6 +393,10 @@ def _optimizer(cfg):
                                             decoupled_weight_decay=True)
     if name == "muon":
         from .optim import muon_and_adamw
+        if cfg.get("muon_scale") == "adamw":
+            return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, weight_decay=wd,
+                                  adjust_lr_fn="match_rms_adamw", adamw_lr=lr, adamw_betas=(0.9, 0.999),
+                                  adamw_weight_decay=wd)
         return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
                               adamw_weight_decay=wd)
     if name == "sgd":
@@ -417,6 +426,9 @@ def _check_prediction(cfg: dict) -> None:
                           "async-1f1b or async-zb)")
     if not 0.0 <= dc < math.inf:
         raise ConfigError(f"--dc must be a finite number >= 0, got {dc}")
+    if cfg.get("muon_scale", "original") != "original" and cfg["optimizer"] != "muon":
+        raise ConfigError(f"--muon-scale {cfg['muon_scale']} sets how Muon scales its update, but the optimizer is "
+                          f"{cfg['optimizer']}; use --optimizer muon or drop --muon-scale")
     if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" and delta == "optimizer":
         raise ConfigError("--optimizer muon has no prediction rule of its own (Muon + AdamW); predict from the last "
                           "applied update: --predict-from last_update")

@@ -37,7 +37,7 @@ class Recipe:
     name: str
     schedule: str
     policy: str
-    optimizer: str                  # "adamw" or "nadam" (decoupled weight decay)
+    optimizer: str                  # "adamw", "nadam" (decoupled weight decay) or "muon" (Muon + AdamW, below)
     beta1: float
     weight_decay: float
     warmup: int                     # updates of linear lr warm-up
@@ -52,6 +52,11 @@ class Recipe:
         if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
             raise ValueError(f"recipe {self.name!r}: lr must be a positive number, got {lr!r}")
         betas = (self.beta1, 0.999)
+        if self.optimizer == "muon":   # Muon on the 2-D weights at AdamW's update RMS, AdamW on the rest, one lr
+            from .optim import muon_and_adamw
+            return muon_and_adamw(lr=lr, momentum=self.beta1, weight_decay=self.weight_decay,
+                                  adjust_lr_fn="match_rms_adamw", adamw_lr=lr, adamw_betas=(0.9, 0.999),
+                                  adamw_weight_decay=self.weight_decay)
         if self.optimizer == "adamw":
             return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, weight_decay=self.weight_decay)
         return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=betas, weight_decay=self.weight_decay,
@@ -74,6 +79,10 @@ class Recipe:
         """The ``pipeoptim train`` flags the recipe sets (argparse destinations -> values)."""
         flags = {"schedule": self.schedule, "policy": self.policy, "optimizer": self.optimizer,
                  "momentum": self.beta1, "weight_decay": self.weight_decay}
+        if self.optimizer == "muon":
+            flags["muon_scale"] = "adamw"
+        if "delta" in self.policy_options:
+            flags["predict_from"] = self.policy_options["delta"]
         if self.delay_hparams:
             flags.update({"delay_lr": self.delay_hparams.get("lr", "none"),
                           "delay_momentum": self.delay_hparams.get("momentum", "none"),

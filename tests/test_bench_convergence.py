@@ -141,6 +141,8 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         "stash-muon": ("async-1f1b", "stash", torch.optim.Muon, 0.95, None),
         "pipeoptim-muon": ("async-1f1b", "pipeoptim", torch.optim.Muon, 0.95, None),
         "sync-muon": ("1f1b", None, torch.optim.Muon, 0.95, None),
+        "2bw-muon": ("2bw", "2bw", torch.optim.Muon, 0.95, None),
+        "pipeoptim-2bw-muon": ("2bw", "pipeoptim", torch.optim.Muon, 0.95, None),
     }
     dc = {"stash-dc": 1.0, "stash-dc10": 10.0, "stash-dc100": 100.0, "stash-dc1000": 1000.0}
     assert set(expect) == set(bc.CANDIDATES)
@@ -172,7 +174,7 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
                 got = group["betas"][0] if "betas" in group else group["momentum"]
                 assert got == pytest.approx(beta1), method
                 assert type(st.policy).__name__ == {"pipeoptim": "PipeOptimPolicy", "stash": "StashPolicy",
-                                                    None: "NoPolicy"}[policy], method
+                                                    "2bw": "TwoBWPolicy", None: "NoPolicy"}[policy], method
                 assert isinstance(st.scheduler, DelayAwareHParams) == (rules is not None), method
                 if rules:
                     assert (st.scheduler.rules.lr, st.scheduler.rules.momentum) == rules

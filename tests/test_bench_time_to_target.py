@@ -439,7 +439,8 @@ def test_a_synchronous_candidate_is_trained_once_and_timed_on_every_synchronous_
     assert {(m, d) for m, d, *_ in planned} == {("sync-muon", 0)}
     assert {name for name, (run, _) in ttt.METHODS.items() if run == "sync-muon"} == \
         {"1f1b-muon", "bitpipe-muon", "zbv-muon"}
-    assert {ttt.POLICY_OF_RUN[r] for r in ("sync-muon", "stash-muon", "pipeoptim-muon")} == set(ttt.MUON_VARIANTS)
+    muon_runs = ("sync-muon", "stash-muon", "pipeoptim-muon", "2bw-muon", "pipeoptim-2bw-muon")
+    assert {ttt.POLICY_OF_RUN[r] for r in muon_runs} == set(ttt.MUON_VARIANTS)
     assert set(ttt.MUON_VARIANTS) <= set(ttt.needed_variants(wl))
     assert ttt.needed_variants(QUICK) == ttt.STAGE_VARIANTS
 

@@ -77,3 +77,28 @@ def test_linear_warmup_refuses_a_length_that_is_no_whole_positive_number():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="positive whole number of updates"):
             recipes.linear_warmup(bad)
+
+
+def test_cli_muon_scale_adamw_gives_both_optimizers_the_lr_and_weight_decay():
+    """--muon-scale adamw: Muon's update at AdamW's RMS (torch's adjust_lr_fn='match_rms_adamw'), AdamW beside it
+    at the same --lr, --weight-decay on both; the default keeps torch's own scaling and AdamW at 1e-3."""
+    from pipeoptim.optim import as_optimizer
+    params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(3))]
+    made = _optimizer({"optimizer": "muon", "lr": 2e-3, "weight_decay": 0.1, "muon_scale": "adamw"})(params)
+    by_kind = {type(o).__name__: o.param_groups[0] for o in made}
+    assert by_kind["Muon"]["adjust_lr_fn"] == "match_rms_adamw"
+    assert by_kind["Muon"]["lr"] == by_kind["AdamW"]["lr"] == 2e-3
+    assert by_kind["Muon"]["weight_decay"] == by_kind["AdamW"]["weight_decay"] == 0.1
+    assert by_kind["Muon"]["momentum"] == 0.95
+    plain = {type(o).__name__: o.param_groups[0] for o in _optimizer({"optimizer": "muon", "lr": 2e-3})(params)}
+    assert plain["Muon"]["adjust_lr_fn"] in (None, "original") and plain["AdamW"]["lr"] == 1e-3
+    assert as_optimizer(made) is not None
+
+
+def test_cli_muon_scale_needs_muon():
+    from pipeoptim.cli_train import _check_prediction
+    with pytest.raises(ConfigError, match="--muon-scale adamw sets how Muon scales its update, but the optimizer is "
+                                          "adamw; use --optimizer muon or drop --muon-scale"):
+        _check_prediction({"optimizer": "adamw", "policy": "pipeoptim", "muon_scale": "adamw"})
+    _check_prediction({"optimizer": "muon", "policy": "pipeoptim", "muon_scale": "adamw",
+                       "predict_from": "last_update"})
