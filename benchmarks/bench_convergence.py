@@ -296,9 +296,8 @@ def make_optimizer(name: str, lr: float, fused: bool = False, beta1: float = 0.9
         return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(beta1, 0.999), weight_decay=0.1,
                                             decoupled_weight_decay=True)
     if name == "muon":
-        from pipeoptim.optim import muon_and_adamw
-        return muon_and_adamw(lr=lr, momentum=beta1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
-                              adamw_lr=lr, adamw_betas=(0.9, 0.999), adamw_weight_decay=0.1)
+        from pipeoptim.optim import muon_at_adamw_scale
+        return muon_at_adamw_scale(lr, momentum=beta1, weight_decay=0.1)
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam, adamw, nadam or muon")
 
 

@@ -392,11 +392,9 @@ def _optimizer(cfg):
         return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=(b1, 0.999), weight_decay=wd,
                                             decoupled_weight_decay=True)
     if name == "muon":
-        from .optim import muon_and_adamw
+        from .optim import muon_and_adamw, muon_at_adamw_scale
         if cfg.get("muon_scale") == "adamw":
-            return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, weight_decay=wd,
-                                  adjust_lr_fn="match_rms_adamw", adamw_lr=lr, adamw_betas=(0.9, 0.999),
-                                  adamw_weight_decay=wd)
+            return muon_at_adamw_scale(lr, momentum=0.95 if m is None else m, weight_decay=wd)
         return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
                               adamw_weight_decay=wd)
     if name == "sgd":

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["ChainedOptimizer", "muon_and_adamw", "as_optimizer"]
+__all__ = ["ChainedOptimizer", "muon_and_adamw", "muon_at_adamw_scale", "as_optimizer"]
 
 
 class _ChainedState(MutableMapping):
@@ -138,3 +138,12 @@ def muon_and_adamw(lr: float = 0.02, momentum: float = 0.95, weight_decay: float
         return out
 
     return make
+
+
+def muon_at_adamw_scale(lr: float, momentum: float = 0.95, weight_decay: float = 0.1
+                        ) -> Callable[[Iterable[torch.Tensor]], list[torch.optim.Optimizer]]:
+    """Muon + AdamW with one lr and weight decay for both: Muon's update scaled to AdamW's RMS (torch's
+    ``adjust_lr_fn="match_rms_adamw"``), AdamW β (0.9, 0.999). The setting issue 20's study measured
+    (benchmarks/RESULTS.md §6.6), so one lr sweep serves both optimizers."""
+    return muon_and_adamw(lr=lr, momentum=momentum, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw",
+                          adamw_lr=lr, adamw_betas=(0.9, 0.999), adamw_weight_decay=weight_decay)

@@ -53,10 +53,8 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: lr must be a positive number, got {lr!r}")
         betas = (self.beta1, 0.999)
         if self.optimizer == "muon":   # Muon on the 2-D weights at AdamW's update RMS, AdamW on the rest, one lr
-            from .optim import muon_and_adamw
-            return muon_and_adamw(lr=lr, momentum=self.beta1, weight_decay=self.weight_decay,
-                                  adjust_lr_fn="match_rms_adamw", adamw_lr=lr, adamw_betas=(0.9, 0.999),
-                                  adamw_weight_decay=self.weight_decay)
+            from .optim import muon_at_adamw_scale
+            return muon_at_adamw_scale(lr, momentum=self.beta1, weight_decay=self.weight_decay)
         if self.optimizer == "adamw":
             return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, weight_decay=self.weight_decay)
         return lambda ps: torch.optim.NAdam(ps, lr=lr, betas=betas, weight_decay=self.weight_decay,

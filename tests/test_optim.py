@@ -148,3 +148,15 @@ def test_a_checkpoint_of_one_chain_does_not_load_into_another(tmp_path, one_thre
     with pytest.raises(CheckpointError, match=r"ChainedOptimizer\(Muon, AdamW\)"):
         make(sgd_and_adamw).load(str(tmp_path / "ck"))
     make(muon_and_adamw(lr=0.02)).load(str(tmp_path / "ck"))
+
+
+def test_muon_at_adamw_scale_gives_both_optimizers_one_lr_and_weight_decay():
+    from pipeoptim.optim import muon_at_adamw_scale
+    params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(3))]
+    muon, adamw = muon_at_adamw_scale(3e-3, momentum=0.9, weight_decay=0.05)(params)
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    m, a = muon.param_groups[0], adamw.param_groups[0]
+    assert m["params"][0] is params[0] and a["params"][0] is params[1]
+    assert m["adjust_lr_fn"] == "match_rms_adamw" and m["momentum"] == 0.9
+    assert m["lr"] == a["lr"] == 3e-3 and m["weight_decay"] == a["weight_decay"] == 0.05
+    assert a["betas"] == (0.9, 0.999)
