@@ -34,8 +34,17 @@ def test_every_recipe_builds_its_pipeline_and_warms_the_lr_up(one_thread):
             st = pipe.workers[0].stages[next(iter(pipe.workers[0].stages))]
             group = st.optimizer.param_groups[0]
             seen.append(group["lr"])
-        assert type(st.optimizer).__name__ == {"adamw": "AdamW", "nadam": "NAdam"}[r.optimizer]
-        assert group["betas"][0] == r.beta1 and group["weight_decay"] == r.weight_decay
+        if r.optimizer == "muon":   # Muon on the 2-D weights (momentum β1), AdamW on the biases, one lr and decay
+            kinds = {type(o).__name__: o.param_groups[0] for o in st.optimizer.children}
+            assert set(kinds) == {"Muon", "AdamW"}
+            assert kinds["Muon"]["momentum"] == r.beta1 and kinds["Muon"]["adjust_lr_fn"] == "match_rms_adamw"
+            assert kinds["Muon"]["lr"] == kinds["AdamW"]["lr"] == group["lr"]
+            assert kinds["Muon"]["weight_decay"] == kinds["AdamW"]["weight_decay"] == r.weight_decay
+        else:
+            assert type(st.optimizer).__name__ == {"adamw": "AdamW", "nadam": "NAdam"}[r.optimizer]
+            assert group["betas"][0] == r.beta1 and group["weight_decay"] == r.weight_decay
+        if "delta" in r.policy_options:
+            assert st.policy.delta == r.policy_options["delta"]
         # linear warm-up: after u updates the lr is lr * min(1, (u + 1) / warmup), rising
         assert all(a < b for a, b in zip(seen, seen[1:])) and seen[-1] <= lr
         assert "lr_scheduler" not in r.pipeline_kwargs(lr=lr, lr_scheduler=False)
@@ -102,3 +111,15 @@ def test_cli_muon_scale_needs_muon():
         _check_prediction({"optimizer": "adamw", "policy": "pipeoptim", "muon_scale": "adamw"})
     _check_prediction({"optimizer": "muon", "policy": "pipeoptim", "muon_scale": "adamw",
                        "predict_from": "last_update"})
+
+
+def test_every_recipe_trains_from_the_cli(tmp_path, capsys, one_thread):
+    """`pipeoptim train --recipe NAME` runs end to end with the flags the recipe sets (Muon's included)."""
+    from pipeoptim.cli_train import main
+    for name in recipes.names():
+        rc = main(["--model", "tiny", "--stages", "2", "--microbatches", "4", "--microbatch-size", "1", "--emulate",
+                   "--no-progress", "--recipe", name, "--lr", "1e-3", "--steps", "4",
+                   "--run-dir", str(tmp_path / name)])
+        assert rc == 0, capsys.readouterr().err
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert 0 < float(last.removeprefix("final loss: ")) < 6.0, (name, last)
