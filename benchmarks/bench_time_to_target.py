@@ -171,12 +171,12 @@ WORKLOADS = {w.name: w for w in [
     Workload("hfgpt2-async640", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=640,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
              widen=2, runs=("pipeoptim-2bw", "2bw")),
-    # the Muon configurations that trained gpt16 asynchronously, on hfgpt2 at 640 updates: their sweep starts where
-    # their gpt16 bests lay (4e-3 to 1.6e-2); the stage costs are hfgpt2-async640's (same model, batch and window)
-    # with Muon's variants measured beside them
-    Workload("hfgpt2-muon640", "hfgpt2", (4, 8, 16), "adamw", (2e-3, 4e-3, 8e-3), batch=16, updates=640,
+    # the fastest asynchronous Muon configuration on gpt16 (2BW) and its synchronous baseline, on hfgpt2 at 640
+    # updates: the sweep is centred on both their gpt16 bests (1.6e-2); the stage costs are hfgpt2-async640's (same
+    # model, batch and window) with Muon's variants measured beside them
+    Workload("hfgpt2-muon640", "hfgpt2", (4, 8, 16), "adamw", (4e-3, 8e-3, 1.6e-2), batch=16, updates=640,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
-             widen=2, runs=("pipeoptim-muon", "sync-muon")),
+             widen=2, runs=("2bw-muon", "sync-muon")),
     # Hugging Face's GPT-2 (transformers.GPT2LMHeadModel, vocabulary 256, no dropout) of gpt16's size, cut by
     # pipeoptim.models.hf into embedding / 16 blocks / norm+head, its tied embeddings two copies under the async
     # schedules; ~1.4x gpt16's cost per update, so 320 updates (window 160) and a first target of 2.6 keep the

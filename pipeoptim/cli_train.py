@@ -88,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--recipe", choices=recipe_names(), default=None,
                    help="a measured asynchronous configuration by name (pipeoptim.recipes): it sets --schedule, "
                         "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules it uses); a "
-                        "flag you also give must agree with it. async-transformer: PipeDream-2BW with AdamW, the "
-                        "asynchronous configuration that trained a 16-block GPT; give it about a quarter of the "
+                        "flag you also give must agree with it. async-transformer-muon: PipeDream-2BW with Muon + "
+                        "AdamW (--muon-scale adamw), the fastest asynchronous configuration on a 16-block GPT, at the "
+                        "synchronous --lr; async-transformer: PipeDream-2BW with AdamW, at about a quarter of the "
                         "synchronous --lr")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "

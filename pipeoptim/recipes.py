@@ -111,6 +111,25 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
               "bracketed sweep reached "
               "the target in 512 updates at D = 4 or 16 (RESULTS.md §6.6).",
     ),
+    Recipe(
+        name="async-transformer-muon",
+        schedule="2bw", policy="2bw", optimizer="muon", beta1=0.95, weight_decay=0.1, warmup=64,
+        evidence="on gpt16 (16 blocks, 16 samples per update, 512 updates, 64 of warm-up) PipeDream-2BW with Muon on "
+                 "the 2-D weights at AdamW's update RMS and AdamW on the rest reached the synchronous target 2.5 in 3 "
+                 "of 3 seeds at D = 4, 8 and 16 at the synchronous lr (1.6e-2 at D = 8 and 16, 3.2e-2 at D = 4; "
+                 "106, 91 and 92 updates against 77 synchronously with the same optimizer), projected 2.64 / 1.67 / "
+                 "1.56 s: 1.8-3.4x sooner than async-transformer (2BW + AdamW, 4.81 / 4.19 / 5.26 s), level with or "
+                 "ahead of synchronous 1F1B and BitPipe with Muon at D = 4 and 8, behind BitPipe at D = 16, and "
+                 "behind synchronous ZBV with Muon at every depth (2.07 / 1.49 / 1.19 s). On the Hugging Face "
+                 "GPT-2 of the same size (640 updates) it reached 2.6 in 3 of 3 seeds at D = 4, 8 and 16 (lr "
+                 "3.2e-2 / 1.6e-2 / 3.2e-2, 77-88 updates against 65 synchronously), 2.9-4.1x sooner than "
+                 "async-transformer there, ZBV with Muon again first - benchmarks/RESULTS.md §6.6.",
+        avoid="AdamW or NAdam on an asynchronous 1F1B schedule (stage k D-k-1 updates stale: no lr of a bracketed "
+              "sweep reached the target); with Muon on asynchronous 1F1B, stashing (it missed 2.5 at D = 16 in 3 of "
+              "3 seeds) - PipeOptim's prediction from the last update (policy pipeoptim, "
+              "policy_options delta='last_update') does reach it at every depth, as fast as this recipe at D = 4 "
+              "and 1.6-2x slower at D = 8 and 16.",
+    ),
 ]}
 
 
