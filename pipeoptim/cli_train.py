@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "none for synchronous schedules)")
     p.add_argument("--recipe", choices=recipe_names(), default=None,
                    help="a measured asynchronous configuration by name (pipeoptim.recipes): it sets --schedule, "
-                        "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules it uses); a "
+                        "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules, --predict-from "
+                        "or --muon-scale it uses); a "
                         "flag you also give must agree with it. async-transformer-muon: PipeDream-2BW with Muon + "
                         "AdamW (--muon-scale adamw), the fastest asynchronous configuration on a 16-block GPT, at the "
                         "synchronous --lr; async-transformer: PipeDream-2BW with AdamW, at about a quarter of the "
