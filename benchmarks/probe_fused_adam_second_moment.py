@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import pipeoptim_kernels as pk  # noqa: E402
-from kernel_reference import reference_second_moment  # noqa: E402
+from kernel_reference import reference_second_moment, second_moment_scale  # noqa: E402
 
 CASES = [("adam", "Adam", dict(lr=1e-2, weight_decay=0.1)),
          ("adam", "Adam", dict(lr=1e-3, betas=(0.95, 0.9999))),
@@ -39,12 +39,10 @@ def probe(device: str, n: int, seed: int) -> list[dict]:
     rows = []
     ours = [b for b in (("cuda", "triton") if device == "cuda" else ("cpu",)) if b in pk.available_backends()]
     for rule, cls, hp in CASES:
-        beta2 = hp.get("betas", (0.9, 0.999))[1]
-        coupled = 0.0 if rule == "adamw" else hp.get("weight_decay", 0.0)
         gen = torch.Generator().manual_seed(seed)
         w0, g = torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)
         v_ref, _ = reference_second_moment(torch.zeros(n), g, w0, hp, rule)
-        scale = (1 - beta2) * (g.double().cpu().abs() + coupled * w0.double().cpu().abs()) ** 2
+        scale = second_moment_scale(torch.zeros(n), g, w0, hp, rule)
         for impl in ("fused", "foreach"):
             p = torch.nn.Parameter(w0.clone())
             opt = getattr(torch.optim, cls)([p], **hp, **{impl: True})

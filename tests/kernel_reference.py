@@ -188,12 +188,24 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, term: torch.
                              f"got {out[i].item()!r}, reference {ref[i].item()!r}, tolerance {tol[i].item():.3g}")
 
 
+def coupled_weight_decay(hp: dict, rule: str) -> float:
+    """The weight decay Adam adds to the gradient (0 when it is decoupled: AdamW, decoupled_weight_decay)."""
+    return 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
+
+
+def second_moment_scale(v_before, grad, w, hp, rule) -> torch.Tensor:
+    """The magnitude of the terms of v = β2·v + (1−β2)·g² (|g| as |grad| + wd·|w|), float64 on the CPU: what a
+    correct float32 step's error is relative to."""
+    beta2 = hp.get("betas", (0.9, 0.999))[1]
+    g_magnitude = grad.double().cpu().abs() + coupled_weight_decay(hp, rule) * w.double().cpu().abs()
+    return beta2 * v_before.double().cpu() + (1.0 - beta2) * g_magnitude ** 2
+
+
 def reference_second_moment(v_before, grad, w, hp, rule, max_before=None):
     """Adam's v = β2·v + (1−β2)·g² in float64 (g with coupled weight decay for Adam), and AMSGrad's running
     maximum of it when `max_before` is given."""
     beta2 = hp.get("betas", (0.9, 0.999))[1]
-    coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
-    g = grad.double().cpu() + coupled * w.double().cpu()
+    g = grad.double().cpu() + coupled_weight_decay(hp, rule) * w.double().cpu()
     v = beta2 * v_before.double().cpu() + (1.0 - beta2) * g ** 2
     return v, (None if max_before is None else torch.maximum(max_before.double().cpu(), v))
 
@@ -203,12 +215,8 @@ def assert_second_moment_close(got, want, v_before, grad, w, hp, rule, msg):
     the magnitude of its terms, g's included (coupled weight decay can make g = grad + wd·w cancel). An
     absolute bound would hide a relative error in v ≈ 1e-3·g² (see test_kernels_step_predict's
     test_adam_second_moment_forms_one_minus_beta_in_double). A NaN in either is an error."""
-    beta2 = hp.get("betas", (0.9, 0.999))[1]
-    coupled = 0.0 if rule == "adamw" or hp.get("decoupled_weight_decay") else hp.get("weight_decay", 0.0)
-    g_magnitude = grad.double().abs() + coupled * w.double().abs()
-    scale = beta2 * v_before.double() + (1.0 - beta2) * g_magnitude ** 2
+    scale = second_moment_scale(v_before, grad, w, hp, rule)
     err = (got.double().cpu() - want.double().cpu()).abs()
-    scale = scale.cpu()
     bad = ~(err <= 8 * torch.finfo(torch.float32).eps * scale)
     assert not bad.any(), (f"{msg}: {int(bad.sum())} elements off ({int(err.isnan().sum())} NaN), worst relative "
                            f"{(err / scale).nan_to_num(nan=float('inf')).max().item():.2e} of the terms' magnitude")
