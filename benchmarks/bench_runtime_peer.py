@@ -204,11 +204,11 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dic
     return times
 
 
-def plain_runner(model: str, n: int):
+def plain_runner(model: str, n: int, device: str = "cpu"):
     """The plain unpipelined step: every micro-batch's forward and backward through the whole model, then AdamW.
     Returns (step, module)."""
     loss_fn = _loss(model)
-    plain = nn.Sequential(*[_stage(model, i) for i in range(STAGES)])
+    plain = nn.Sequential(*[_stage(model, i) for i in range(STAGES)]).to(device)
     opt = _adamw(plain.parameters())
 
     def step(b):
@@ -220,11 +220,11 @@ def plain_runner(model: str, n: int):
     return step, plain
 
 
-def staged_runner(model: str, n: int):
+def staged_runner(model: str, n: int, device: str = "cpu"):
     """The same stages run by hand, the graph cut at every boundary (4 backward calls per micro-batch instead of
     1), with no runtime: the floor of an emulated pipeline. Returns (step, list of stage modules)."""
     loss_fn = _loss(model)
-    stages = [_stage(model, i) for i in range(STAGES)]
+    stages = [_stage(model, i).to(device) for i in range(STAGES)]
     opts = [_adamw(st.parameters()) for st in stages]
 
     def step(b):
@@ -246,25 +246,35 @@ def staged_runner(model: str, n: int):
     return step, stages
 
 
-def emulated_job(model: str, n: int, rounds: int, warmup: int) -> dict:
+def emulated_job(model: str, n: int, rounds: int, warmup: int, device: str = "cpu") -> dict:
     """One process: an emulated 1F1B Pipeline against the plain step of the same model (``plain_runner``) and
     against the same stages run by hand (``staged_runner``): plain -> staged is what cutting the graph costs,
-    staged -> pipeoptim the runtime's own per-action work."""
+    staged -> pipeoptim the runtime's own per-action work. On ``device`` (all stages on one GPU with 'cuda';
+    each step timed from a synchronised start to a synchronised end)."""
     from pipeoptim.train import Pipeline
 
-    ours = Pipeline(stages=lambda i: _stage(model, i), devices=STAGES, emulate=True, loss_fn=_loss(model),
-                    optimizer=_adamw, schedule="1f1b", policy="none", microbatches=n)
-    runners = {"pipeoptim": lambda b: ours.train_step(b), "plain": plain_runner(model, n)[0],
-               "staged": staged_runner(model, n)[0]}
+    ours = Pipeline(stages=lambda i: _stage(model, i), devices=STAGES, emulate=True, device=device,
+                    loss_fn=_loss(model), optimizer=_adamw, schedule="1f1b", policy="none", microbatches=n)
+    runners = {"pipeoptim": lambda b: ours.train_step(b), "plain": plain_runner(model, n, device)[0],
+               "staged": staged_runner(model, n, device)[0]}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(warmup + rounds):
-        batch = _batch(model, n, r)
+        batch = tuple(t.to(device) for t in _batch(model, n, r))
         for name, run in runners.items():
+            sync()
             t0 = time.perf_counter()
             run(batch)
+            sync()
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
     return times
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.get_device_name()}, with {_cpu()}"
+    return _cpu()
 
 
 def _cpu() -> str:
@@ -298,17 +308,26 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--no-async", action="store_true", help="skip the asynchronous rows")
     ap.add_argument("--emulated", action="store_true", help="add the one-process rows")
+    ap.add_argument("--emulated-only", action="store_true",
+                    help="only the one-process rows (what --device cuda runs: torch's runtime needs a GPU per rank)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the emulated rows run (cuda: every stage on the one GPU; needs --emulated-only)")
     ap.add_argument("--csv", default=None, help="output CSV (default: runs/bench_runtime_peer/<time>.csv)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.device == "cuda" and not args.emulated_only:
+        ap.error("--device cuda runs the emulated rows only: add --emulated-only (the 4-process rows need a GPU "
+                 "per rank, and gloo moves CPU tensors)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch sees no GPU")
     torch.set_num_threads(1)
     from pipeoptim.runtime import launch
 
     rows = []
     for model in args.models:
         ns = args.microbatches if model == "tiny" else [8]
-        for n in ns:
+        for n in ([] if args.emulated_only else ns):
             best = None
             for schedule in SYNC:
                 if schedule == "interleaved" and n % STAGES:
@@ -330,16 +349,17 @@ def main(argv=None) -> int:
                     rows.append(_row(model, "4 processes", schedule, n, times, "torch", best[0]))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule, earlier run)",
                           flush=True)
-        if args.emulated:
-            times = emulated_job(model, 8, args.rounds, args.warmup)
-            rows.append(_row(model, "emulated", "1f1b", 8, times, "plain"))
+        if args.emulated or args.emulated_only:
+            times = emulated_job(model, 8, args.rounds, args.warmup, args.device)
+            setting = "emulated" if args.device == "cpu" else f"emulated, {args.device}"
+            rows.append(_row(model, setting, "1f1b", 8, times, "plain"))
             print(_format(rows[-1]), flush=True)
-            rows.append(_row(model, "emulated", "1f1b", 8, times, "staged"))
+            rows.append(_row(model, setting, "1f1b", 8, times, "staged"))
             print(_format(rows[-1]), flush=True)
     path = args.csv or os.path.join("runs", "bench_runtime_peer", time.strftime("%Y%m%d-%H%M%S") + ".csv")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        f.write(f"# python {' '.join(sys.argv)}\n# {_cpu()}; torch {torch.__version__}\n")
+        f.write(f"# python {' '.join(sys.argv)}\n# {_machine(args.device)}; torch {torch.__version__}\n")
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)

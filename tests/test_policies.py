@@ -7,6 +7,7 @@ from the policy's definition (DESIGN.md §3), from the optimizer's state, indepe
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import types
 
@@ -147,6 +148,74 @@ def test_forward_under_no_grad_is_not_left_in_flight():
     with torch.no_grad(), pol.forward(0, s=2):
         model(XWT.example())
     assert pol.in_flight == ()
+
+
+@pytest.mark.parametrize("name", ["none", "stash", "2bw", "pipeoptim", "spectrain"])
+def test_a_forward_or_backward_that_raises_leaves_the_policy_as_it_was(name):
+    """The exception comes out unchanged; the failed forward is not in flight, its weights and hooks are undone
+    (the module reads the real weights again, the same micro-batch runs again); a failed backward leaves its
+    micro-batch in flight and its gradient uncounted."""
+    model, optimizer, pol, _ = build(name, update_every=2 if name == "2bw" else 1)
+    real = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with pol.forward(0, s=2):
+            model(XWT.example())
+            raise Boom
+    assert pol.in_flight == ()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), real[n]), n
+    x = XWT.example().requires_grad_(True)
+    with pol.forward(0, s=2):
+        y = model(x)
+    assert pol.in_flight == (0,)
+    with pytest.raises(Boom):
+        with pol.backward(0, s=1):
+            raise Boom
+    assert pol.in_flight == (0,) and not pol.should_step() and pol._backwards == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), real[n]), n
+    with pol.backward(0, s=1):
+        y.pow(2).sum().backward()
+    assert pol.in_flight == () and pol._backwards == 1
+
+
+def test_a_policy_context_that_fails_to_enter_exits_what_it_entered():
+    model, optimizer, pol, _ = build("pipeoptim")
+    real = {n: p.detach().clone() for n, p in model.named_parameters()}
+    entered, exited = [], []
+
+    class Failing(type(pol)):
+        @contextlib.contextmanager
+        def _forward_weights(self, mb, s):
+            raise RuntimeError("cannot swap the weights")
+            yield
+
+    pol.__class__ = Failing
+    hooks = pol.saved.hooks
+
+    def watched(*args, **kwargs):
+        ctx = hooks(*args, **kwargs)
+
+        class Watch:
+            def __enter__(self):
+                entered.append(1)
+                return ctx.__enter__()
+
+            def __exit__(self, *exc):
+                exited.append(exc[0])
+                return ctx.__exit__(*exc)
+        return Watch()
+    pol.saved.hooks = watched
+    with pytest.raises(RuntimeError, match="cannot swap"):
+        with pol.forward(0, s=2):
+            pytest.fail("the body must not run when entering failed")
+    assert entered == [1] and exited == [RuntimeError] and pol.in_flight == ()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), real[n]), n
 
 
 # ---- what forwards and backwards read: three micro-batches in flight --------------------------------------------

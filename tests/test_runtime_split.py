@@ -40,7 +40,7 @@ class UnsplitAtInput(DeviceWorker):
             return super().backward(op, grads)
         st = self.stages[op.chunk]
         xs, outs = self.saved.pop((op.mb, op.chunk))
-        tensors, grad_tensors = self._output_grads(op, outs, grads)
+        tensors, grad_tensors = self._output_grads(op, self.plan.is_last(op.chunk), outs, grads)
         lookahead = self.plan.s_backward.get((op.mb, op.chunk), 0)
         want = [i for i, x in enumerate(xs) if isinstance(x, torch.Tensor) and x.requires_grad]
         params = [p for p in st.module.parameters() if p.requires_grad]

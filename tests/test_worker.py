@@ -53,3 +53,11 @@ def test_a_non_finite_element_makes_the_sum_non_finite(bad):
     t = torch.randn(1000)
     t[517] = bad
     assert not math.isfinite(float(sum_of_squares([torch.randn(5), t])))
+
+
+@pytest.mark.parametrize("n", [1, 8320, 65536])
+def test_a_small_buffer_is_summed_in_float64(n):
+    # up to 65,536 elements the sum is float64's own (far tighter than the float32 rows' ~1e-8), whatever the dtype
+    for dtype in (torch.float32, torch.bfloat16):
+        t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3).to(dtype)
+        assert float(sum_of_squares([t])) == pytest.approx(_reference([t]), rel=1e-13)

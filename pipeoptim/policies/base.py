@@ -61,6 +61,7 @@ Rules for the executor:
 from __future__ import annotations
 
 import contextlib
+import sys
 from contextlib import contextmanager
 from typing import Any, ClassVar, Hashable, Iterator
 
@@ -116,41 +117,22 @@ class WeightPolicy:
 
     # ---- the interface ----------------------------------------------------------------------------
 
-    @contextmanager
-    def forward(self, mb: Hashable, s: float = 0, lookahead: float = 0) -> Iterator[None]:
-        """Run micro-batch `mb`'s forward inside. `s`: optimizer steps this stage will take before mb's
-        backward (used by predicting policies; others ignore it). `lookahead`: the steps after that
+    def forward(self, mb: Hashable, s: float = 0, lookahead: float = 0) -> "_ForwardScope":
+        """Run micro-batch `mb`'s forward inside (a context manager). `s`: optimizer steps this stage will take
+        before mb's backward (used by predicting policies; others ignore it). `lookahead`: the steps after that
         backward that the same micro-batch's backward will predict (SpecTrain's backward s); a policy whose
         forward aims past the backward (SpecTrain: s + lookahead) adds it in `_forward_s`."""
         _check_s(s)
         _check_s(lookahead)
-        s = self._forward_s(s, lookahead)
         if mb in self._in_flight:
             raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
                              "policy.discard(mb)) before reusing the id")
-        tag = self._forward_tag(mb, s)
-        acts: dict | None = {} if self.measure_activations else None
-        if s == 0 and acts is None and self.saves_real_weights_at_s0:
-            hooks = contextlib.nullcontext()  # autograd saves the weights itself: no step comes before the backward
-        else:
-            hooks = self.saved.hooks(tag, self._resolve, acts)
-        with hooks:
-            if self._reads_own_forward_weights:
-                with self._forward_weights(mb, s):
-                    yield
-            else:  # (the base's no-op: a generator context less per action, which a GPU step notices)
-                yield
-        if torch.is_grad_enabled():
-            self._in_flight[mb] = tag
-            if acts is not None:
-                self._act[mb] = sum(acts.values())
-                self._act_now += self._act[mb]
-                self._peak_act = max(self._peak_act, self._act_now)
+        return _ForwardScope(self, mb, self._forward_s(s, lookahead))
 
-    @contextmanager
-    def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> Iterator[None]:
-        """Run micro-batch `mb`'s backward inside. `s`: SpecTrain's backward look-ahead; others ignore it.
-        `part`: "full", or "input" then "weight" for a backward split in two (module docstring)."""
+    def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> "_BackwardScope":
+        """Run micro-batch `mb`'s backward inside (a context manager). `s`: SpecTrain's backward look-ahead;
+        others ignore it. `part`: "full", or "input" then "weight" for a backward split in two (module
+        docstring)."""
         _check_s(s)
         if part not in BACKWARD_PARTS:
             raise ValueError(f"part must be one of {', '.join(BACKWARD_PARTS)}, got {part!r}")
@@ -163,11 +145,18 @@ class WeightPolicy:
         if part != "weight" and mb in self._input_done:
             raise ValueError(f"micro-batch {mb!r} already ran the input part of its backward; finish it with "
                              "backward(mb, part='weight')")
-        if self._reads_own_backward_weights:
-            with self._backward_weights(mb, s):
-                yield
-        else:
-            yield
+        return _BackwardScope(self, mb, s, part)
+
+    def _forward_done(self, mb: Hashable, tag: Any, acts: dict | None) -> None:
+        """A forward under grad mode finished: mb is in flight until its backward."""
+        self._in_flight[mb] = tag
+        if acts is not None:
+            self._act[mb] = sum(acts.values())
+            self._act_now += self._act[mb]
+            self._peak_act = max(self._peak_act, self._act_now)
+
+    def _backward_done(self, mb: Hashable, part: str) -> None:
+        """A backward (or one part of a split one) finished."""
         if part == "input":
             self._input_done.add(mb)
             return
@@ -396,6 +385,80 @@ class WeightPolicy:
 
 
 BACKWARD_PARTS = ("full", "input", "weight")
+
+
+class _Scope:
+    """A policy's forward or backward context, written as a class: a generator-based context costs several
+    microseconds per action, which a pipeline pays twice per micro-batch and stage. ``_inner`` are the contexts
+    the policy needs around the body (entered in order, exited in reverse, an exception passed through them)."""
+    __slots__ = ("policy", "mb", "s", "_inner")
+
+    def _enter(self, contexts: list) -> None:
+        self._inner = []
+        for c in contexts:
+            try:
+                c.__enter__()
+            except BaseException as e:
+                self._exit(type(e), e, e.__traceback__)
+                raise
+            self._inner.append(c)
+
+    def _exit(self, exc_type, exc, tb) -> bool:
+        """Exit the entered contexts in reverse order, as nested ``with`` statements would; True when they
+        handled the exception ``exc``."""
+        pending = exc
+        while self._inner:
+            c = self._inner.pop()
+            try:
+                if c.__exit__(type(pending) if pending is not None else None, pending,
+                              pending.__traceback__ if pending is not None else None):
+                    pending = None
+            except BaseException as e:  # an exit raised: that exception replaces the one in flight
+                pending = e
+        if pending is not None and pending is not exc:
+            raise pending
+        return exc is not None and pending is None
+
+
+class _ForwardScope(_Scope):
+    __slots__ = ("tag", "acts")
+
+    def __init__(self, policy: WeightPolicy, mb: Hashable, s: float):
+        self.policy, self.mb, self.s = policy, mb, s
+
+    def __enter__(self) -> None:
+        p, mb, s = self.policy, self.mb, self.s
+        self.tag = tag = p._forward_tag(mb, s)
+        self.acts = acts = {} if p.measure_activations else None
+        contexts = []
+        if not (s == 0 and acts is None and p.saves_real_weights_at_s0):
+            contexts.append(p.saved.hooks(tag, p._resolve, acts))  # else autograd saves the weights itself: no
+        if p._reads_own_forward_weights:                            # step comes before the backward
+            contexts.append(p._forward_weights(mb, s))
+        self._enter(contexts)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        handled = self._exit(exc_type, exc, tb)
+        if (exc_type is None or handled) and torch.is_grad_enabled():
+            self.policy._forward_done(self.mb, self.tag, self.acts)
+        return handled
+
+
+class _BackwardScope(_Scope):
+    __slots__ = ("part",)
+
+    def __init__(self, policy: WeightPolicy, mb: Hashable, s: float, part: str):
+        self.policy, self.mb, self.s, self.part = policy, mb, s, part
+
+    def __enter__(self) -> None:
+        p = self.policy
+        self._enter([p._backward_weights(self.mb, self.s)] if p._reads_own_backward_weights else [])
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        handled = self._exit(exc_type, exc, tb)
+        if exc_type is None or handled:
+            self.policy._backward_done(self.mb, self.part)
+        return handled
 
 
 def _check_s(s: object) -> None:

@@ -22,65 +22,64 @@ from .worker import DeviceWorker
 
 __all__ = ["Emulator"]
 
+_COMPUTE, _WEIGHT, _SYNC, _STEP = "compute", "weight", "sync", "step"  # the kinds of action the loop tells apart
+
 
 class Emulator:
     def __init__(self, plan: Plan, workers: list[DeviceWorker]):
         if len(workers) != plan.num_devices:
             raise ValueError(f"the emulator needs one worker per device ({plan.num_devices}), got {len(workers)}")
         self.plan, self.workers = plan, workers
+        self._programs: dict[int, tuple] = {}  # id(plan) -> (plan, its program)
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         D = plan.num_devices
         for w in self.workers:
             w.begin(inputs, targets, train=train, plan=plan)
-        mailbox: dict = {}
+        mailbox: dict = {}  # consumer action -> its input, sent from another device (a copy, as on the wire)
         pos = [0] * D
         acts = plan.actions
+        program = self._program(plan)
         t0 = time.perf_counter()
         grad_norm = float("nan")
         coef: float | None = None
         norm_done = False
         sync_seen = [dict() for _ in range(D)]  # per device: Sync -> occurrences reached
 
-        def ready(d: int, op) -> bool:
-            src = plan.input_source(op)
-            if src is None:
-                return True
-            return op in self.workers[d].local if src == d else (src, d, op) in mailbox
-
-        def take(d: int, op):
-            src = plan.input_source(op)
-            if src is None:
-                return None
-            return self.workers[d].local.pop(op) if src == d else mailbox.pop((src, d, op))
-
         while any(pos[d] < len(acts[d]) for d in range(D)):
             moved = False
             for d in range(D):
                 w = self.workers[d]
-                while pos[d] < len(acts[d]):
-                    a = acts[d][pos[d]]
+                local = w.local
+                row = program[d]
+                while pos[d] < len(row):
+                    kind, a, src, out_to = row[pos[d]]
                     try:
-                        if isinstance(a, BackwardWeight):
-                            w.backward_weight(a)
-                        elif is_compute(a):
-                            if not ready(d, a):
-                                break
-                            data = take(d, a)
+                        if kind is _COMPUTE:
+                            if src is None:
+                                data = None
+                            elif src == d:
+                                if a not in local:
+                                    break
+                                data = local.pop(a)
+                            else:
+                                if a not in mailbox:
+                                    break
+                                data = mailbox.pop(a)
                             out = w.forward(a, data) if isinstance(a, Forward) else w.backward(a, data)
-                            t = plan.output_of(a)
-                            if out is not None and t is not None:
-                                if t.local:
-                                    w.local[t.to_op] = out
+                            if out is not None and out_to is not None:
+                                if out_to.local:
+                                    local[out_to.to_op] = out
                                 else:
-                                    mailbox[(d, t.dst, t.to_op)] = tuple(None if x is None else x.clone()
-                                                                         for x in out)
-                        elif isinstance(a, Sync):
+                                    mailbox[out_to.to_op] = tuple(None if x is None else x.clone() for x in out)
+                        elif kind is _WEIGHT:
+                            w.backward_weight(a)
+                        elif kind is _SYNC:
                             if not self._sync(a, d, pos, acts, sync_seen):
                                 break
                             moved = True
                             continue  # _sync advanced every member
-                        elif isinstance(a, Step):
+                        else:  # Step
                             if plan.schedule.synchronous and not norm_done:
                                 if not all(pos[e] < len(acts[e]) and isinstance(acts[e][pos[e]], Step)
                                            for e in range(D)):
@@ -95,9 +94,9 @@ class Emulator:
                                     coef = min(1.0, clip_norm / (grad_norm + 1e-6))
                             finite = math.isfinite(grad_norm) if plan.schedule.synchronous else None
                             if not plan.schedule.synchronous and clip_norm is not None:
-                                local = w.chunk_norm(a.chunk)
-                                coef = min(1.0, clip_norm / (local + 1e-6))
-                                finite = math.isfinite(local)
+                                local_norm = w.chunk_norm(a.chunk)
+                                coef = min(1.0, clip_norm / (local_norm + 1e-6))
+                                finite = math.isfinite(local_norm)
                             w.step(pos[d], a, coef, finite)
                     except PipelineError:
                         raise
@@ -119,6 +118,25 @@ class Emulator:
         return {"loss": float(sum(float(v) for v in losses) / len(losses)), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
                 "nonfinite": sum(len(w.nonfinite) for w in self.workers)}
+
+    def _program(self, plan: Plan) -> list[list[tuple]]:
+        """Each device's actions as (kind, action, input source, output transfer), derived once per plan: the
+        loop then asks the plan nothing per action."""
+        program = self._programs.get(id(plan))
+        if program is None or program[0] is not plan:
+            rows = []
+            for row in plan.actions:
+                out = []
+                for a in row:
+                    if isinstance(a, BackwardWeight):
+                        out.append((_WEIGHT, a, None, None))
+                    elif is_compute(a):
+                        out.append((_COMPUTE, a, plan.input_source(a), plan.output_of(a)))
+                    else:
+                        out.append((_SYNC if isinstance(a, Sync) else _STEP, a, None, None))
+                rows.append(out)
+            program = self._programs[id(plan)] = (plan, rows)
+        return program[1]
 
     def _sum_ties(self) -> None:
         """Tied parameters: every copy's gradient becomes the sum over the copies (devices in order)."""

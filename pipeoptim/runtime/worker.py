@@ -22,15 +22,17 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import _engine_run_backward
 
 from ..schedules.actions import Backward, BackwardInput, BackwardWeight, Chunk, Forward, Step
 from .plan import Plan
 from .split_backward import input_pass, weight_pass
 
-__all__ = ["StageRuntime", "DeviceWorker", "as_tuple", "sum_of_squares"]
+__all__ = ["StageRuntime", "DeviceWorker", "as_tuple", "run_backward", "sum_of_squares"]
 
 
 _ROW = 1 << 12  # elements per float32 partial sum of squares
+_SMALL = 1 << 16  # up to this many elements a buffer is summed in float64 at once (one operation instead of six)
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
@@ -41,13 +43,17 @@ def sum_of_squares(tensors) -> torch.Tensor:
     summed in float64. Short rows keep float32's rounding small: relative error ~1e-8 measured on 2e7 normal
     values and ~1e-5 in the worst case of one value repeated (rounding biased one way), where a single float32
     norm over a whole buffer is off by ~2e-3 on the former and a float64 copy of the buffer costs ~50x the
-    time (tests/test_worker.py). A sum that is not finite is redone in float64 from the elements, so the
-    result is infinite or NaN exactly when some element is, never because a finite gradient is large
-    (float32 squares overflow above ~1.8e19).
+    time (tests/test_worker.py). A buffer of at most 65,536 elements is summed in float64 at once instead:
+    there the row pass's five extra operations cost more than the copy (a small stage's step notices). A sum
+    that is not finite is redone in float64 from the elements, so the result is infinite or NaN exactly when
+    some element is, never because a finite gradient is large (float32 squares overflow above ~1.8e19).
     """
     flats = [t.detach().reshape(-1) for t in tensors]
     total = torch.zeros((), dtype=torch.float64)
     for flat in flats:
+        if flat.numel() <= _SMALL:
+            total += torch.linalg.vector_norm(flat, dtype=torch.float64).square().cpu()
+            continue
         whole = flat.numel() // _ROW * _ROW
         rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
         rest = torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)
@@ -55,6 +61,22 @@ def sum_of_squares(tensors) -> torch.Tensor:
     if not torch.isfinite(total):
         total = sum((f.double().pow(2).sum().cpu() for f in flats), torch.zeros((), dtype=torch.float64))
     return total
+
+
+def run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+    """``torch.autograd.backward(tensors, grads)`` for what a stage's backward starts from, without its
+    argument normalisation: the caller has matched every gradient's shape and dtype to its output
+    (``DeviceWorker._output_grads``), and ``grads`` None means a scalar loss, whose gradient is 1. That
+    normalisation (``_make_grads``) costs as much per call as a small stage's backward itself (~40 µs of the
+    tiny model's ~140 on a slow Xeon), and a pipeline runs one backward per micro-batch and stage."""
+    if grads is None:
+        for t in tensors:
+            if t.numel() != 1:
+                raise RuntimeError(f"the loss has shape {tuple(t.shape)}, but a loss must be a single number: "
+                                   "reduce it in loss_fn (e.g. return the mean over the micro-batch)")
+        grads = [torch.ones_like(t) for t in tensors]
+    _engine_run_backward(tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True,
+                         accumulate_grad=True)
 
 
 def as_tuple(x) -> tuple:
@@ -86,6 +108,7 @@ class DeviceWorker:
         self.train = True
         self.busy = 0.0
         self.ties: list = []  # tied.TieGroup, the same list on every rank (set by the Pipeline)
+        self._abouts: dict = {}  # compute action -> what _about derives for it from the plan
 
     # ---- iteration -------------------------------------------------------------------------------------
     def begin(self, inputs: list[tuple], targets: list, *, train: bool = True, plan: Plan | None = None) -> None:
@@ -120,28 +143,44 @@ class DeviceWorker:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     # ---- compute ---------------------------------------------------------------------------------------
+    def _about(self, op) -> tuple:
+        """What the worker needs to know of compute action ``op``, derived from the plan once per action (a
+        GPU step affords little Python work per action): (stage runtime, last stage?, the forward's s, the
+        backward's look-ahead, the key of its saved tensors)."""
+        about = self._abouts.get(op)
+        if about is None:
+            chunk = op.chunk
+            key = (op.mb, chunk)
+            s = self.plan.s_forward(op) if isinstance(op, Forward) else 0
+            about = self._abouts[op] = (self.stages[chunk], self.plan.is_last(chunk), s,
+                                        self.plan.s_backward.get(key, 0), key)
+        return about
+
     def forward(self, op: Forward, received: tuple | None) -> tuple | None:
         """Run ``op``; returns the tensors to deliver to its consumer (None on the last stage)."""
         t0 = time.perf_counter()
-        st = self.stages[op.chunk]
+        st, last, s, lookahead, key = self._about(op)
         if op.stage == 0:
             xs = self.inputs[op.mb]
         else:
             if received is None:
                 raise RuntimeError(f"no input arrived for {op}")
             xs = tuple(x.requires_grad_(True) if self.train and x.is_floating_point() else x for x in received)
-        last = self.plan.is_last(op.chunk)
         if self.train:
-            with st.policy.forward(op.mb, s=self.plan.s_forward(op),
-                                   lookahead=self.plan.s_backward.get((op.mb, op.chunk), 0)), self._autocast():
-                out = self._run_module(st, xs, op.mb)
-                loss = self.loss_fn(out, self.targets[op.mb]) if last else None
+            with st.policy.forward(op.mb, s=s, lookahead=lookahead):
+                if self.autocast_dtype is None:
+                    out = self._run_module(st, xs, op.mb)
+                    loss = self.loss_fn(out, self.targets[op.mb]) if last else None
+                else:
+                    with self._autocast():
+                        out = self._run_module(st, xs, op.mb)
+                        loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
-                self.saved[(op.mb, op.chunk)] = (xs, (loss * self.plan.loss_scale,))
+                self.saved[key] = (xs, (loss * self.plan.loss_scale,))
             else:
                 outs = as_tuple(out)
-                self.saved[(op.mb, op.chunk)] = (xs, outs)
+                self.saved[key] = (xs, outs)
         else:
             with torch.no_grad(), self._autocast():
                 out = st.module(*xs)
@@ -165,20 +204,19 @@ class DeviceWorker:
         """Run ``op`` (a full backward, or the input-gradient half ``I`` of a split one); returns its input
         gradients to deliver (None on stage 0)."""
         t0 = time.perf_counter()
-        st = self.stages[op.chunk]
-        xs, outs = self.saved.pop((op.mb, op.chunk))
-        tensors, grad_tensors = self._output_grads(op, outs, grads)
-        lookahead = self.plan.s_backward.get((op.mb, op.chunk), 0)
+        st, last, _, lookahead, key = self._about(op)
+        xs, outs = self.saved.pop(key)
+        tensors, grad_tensors = self._output_grads(op, last, outs, grads)
         if isinstance(op, BackwardInput):
             params = [p for p in st.module.parameters() if p.requires_grad]
             with st.policy.backward(op.mb, s=lookahead, part="input"):
                 dxs, work = input_pass(tensors, grad_tensors, xs, params)
-            self.weight_work[(op.mb, op.chunk)] = (work, lookahead)
+            self.weight_work[key] = (work, lookahead)
             self.busy += time.perf_counter() - t0
             return None if op.stage == 0 else dxs
         with st.policy.backward(op.mb, s=lookahead):
             if tensors:
-                torch.autograd.backward(tensors, grad_tensors)
+                run_backward(tensors, grad_tensors)
         self.busy += time.perf_counter() - t0
         if op.stage == 0:
             return None
@@ -196,9 +234,9 @@ class DeviceWorker:
             weight_pass(work)
         self.busy += time.perf_counter() - t0
 
-    def _output_grads(self, op, outs: tuple, grads: tuple | None) -> tuple[list, list | None]:
+    def _output_grads(self, op, last: bool, outs: tuple, grads: tuple | None) -> tuple[list, list | None]:
         """The tensors a backward starts from and their gradients (None on the last stage: the scaled loss)."""
-        if self.plan.is_last(op.chunk):
+        if last:
             tensors, grad_tensors = list(outs), None
         else:
             if grads is None or len(grads) != len(outs):
@@ -213,7 +251,7 @@ class DeviceWorker:
                                        f"has shape {tuple(o.shape)}; the next stage changed the shape of its "
                                        "input in place or returned a gradient for a different tensor")
                 tensors.append(o)
-                grad_tensors.append(g.to(o.dtype))
+                grad_tensors.append(g if g.dtype == o.dtype else g.to(o.dtype))  # (.to costs µs even as a no-op)
         return tensors, grad_tensors
 
     # ---- weights ---------------------------------------------------------------------------------------
