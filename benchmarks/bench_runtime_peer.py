@@ -253,7 +253,7 @@ def emulated_job(model: str, n: int, rounds: int, warmup: int, device: str = "cp
     each step timed from a synchronised start to a synchronised end)."""
     from pipeoptim.train import Pipeline
 
-    ours = Pipeline(stages=lambda i: _stage(model, i), devices=STAGES, emulate=True, device=device,
+    ours = Pipeline(stages=lambda i: _stage(model, i).to(device), devices=STAGES, emulate=True, device=device,
                     loss_fn=_loss(model), optimizer=_adamw, schedule="1f1b", policy="none", microbatches=n)
     runners = {"pipeoptim": lambda b: ours.train_step(b), "plain": plain_runner(model, n, device)[0],
                "staged": staged_runner(model, n, device)[0]}

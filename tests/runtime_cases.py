@@ -71,3 +71,28 @@ def train(pipe, steps: int = STEPS):
 def run_cases(cases):
     """Rank side: train every case in turn (a data-parallel case uses the ranks as D x dp)."""
     return [train(make_pipeline(c, emulate=False)) for c in cases]
+
+
+def count_scalar_all_reduces(cases, steps: int = STEPS):
+    """Rank side: per case, the sizes of the tensors each training iteration all-reduces (gradient buffers and
+    the iteration's scalars alike), and every iteration's stats."""
+    import torch.distributed as dist
+    real = dist.all_reduce
+    out = []
+    for case in cases:
+        pipe = make_pipeline(case, emulate=False)
+        sizes, stats = [], []
+
+        def counting(tensor, *args, **kwargs):
+            sizes[-1].append(tensor.numel())
+            return real(tensor, *args, **kwargs)
+        dist.all_reduce = counting
+        try:
+            for i in range(steps):
+                sizes.append([])
+                pipe.train_step(batch(i))
+                stats.append(dict(pipe.last_stats))
+        finally:
+            dist.all_reduce = real
+        out.append({"sizes": sizes, "stats": stats})
+    return out

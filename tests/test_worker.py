@@ -1,5 +1,6 @@
-"""runtime.worker.sum_of_squares: the squared gradient norm in one float32 pass per buffer, checked against a
-float64 sum written here, and exactly as finite as the gradients are."""
+"""runtime.worker: sum_of_squares (the squared gradient norm in one float32 pass per buffer, checked against a
+float64 sum written here, and exactly as finite as the gradients are) and run_backward (autograd's backward
+without its argument checks: the same gradients, and a clear error for a loss that is not one number)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pipeoptim.runtime.worker import sum_of_squares
+from pipeoptim.runtime.worker import run_backward, sum_of_squares
 
 
 def _reference(tensors) -> float:
@@ -61,3 +62,36 @@ def test_a_small_buffer_is_summed_in_float64(n):
     for dtype in (torch.float32, torch.bfloat16):
         t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e3).to(dtype)
         assert float(sum_of_squares([t])) == pytest.approx(_reference([t]), rel=1e-13)
+
+
+def test_run_backward_accumulates_what_torch_autograd_backward_does():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3)
+    x = torch.randn(4, 5, requires_grad=True)
+    grads = {}
+    for how in ("torch", "ours"):
+        lin.zero_grad(set_to_none=False)
+        x.grad = None
+        y = lin(x)
+        outs, g = [y, y.tanh()], [torch.randn(4, 3, generator=torch.Generator().manual_seed(k)) for k in (1, 2)]
+        if how == "torch":
+            torch.autograd.backward(outs, g)
+        else:
+            run_backward(outs, g)
+        grads[how] = [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
+    for a, b in zip(grads["torch"], grads["ours"]):
+        assert torch.equal(a, b)
+    loss = (lin(x) ** 2).mean()
+    lin.zero_grad(set_to_none=False)
+    run_backward([loss], None)  # a scalar loss: its gradient is 1
+    expected = torch.autograd.grad((lin(x) ** 2).mean(), lin.weight)[0]
+    assert torch.allclose(lin.weight.grad, expected)
+
+
+def test_a_loss_that_is_not_one_number_is_a_clear_error():
+    from pipeoptim.runtime import PipelineError
+    from pipeoptim.train import Pipeline
+    pipe = Pipeline(stages=lambda i: torch.nn.Linear(4, 4), devices=2, emulate=True, schedule="1f1b", microbatches=2,
+                    loss_fn=lambda y, t: (y - t) ** 2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(PipelineError, match=r"the loss has shape \(1, 4\), but a loss must be a single number"):
+        pipe.train_step((torch.randn(2, 4), torch.randn(2, 4)))

@@ -44,6 +44,7 @@ class Emulator:
         grad_norm = float("nan")
         coef: float | None = None
         norm_done = False
+        phase = None  # a synchronous schedule's (busy, wall) up to its first Step, as the executor reports them
         sync_seen = [dict() for _ in range(D)]  # per device: Sync -> occurrences reached
 
         while any(pos[d] < len(acts[d]) for d in range(D)):
@@ -90,6 +91,7 @@ class Emulator:
                                     total += self.workers[e].sq_norm()
                                 grad_norm = math.sqrt(float(total))
                                 norm_done = True
+                                phase = (sum(x.busy for x in self.workers), time.perf_counter() - t0)
                                 if clip_norm is not None:
                                     coef = min(1.0, clip_norm / (grad_norm + 1e-6))
                             finite = math.isfinite(grad_norm) if plan.schedule.synchronous else None
@@ -112,10 +114,9 @@ class Emulator:
             w.end()
         if mailbox:
             raise PipelineError(f"messages never consumed: {list(mailbox)[:4]}")
-        wall = time.perf_counter() - t0
-        losses = [v for w in self.workers for v in w.losses.values()]
-        busy = sum(w.busy for w in self.workers)
-        return {"loss": float(sum(float(v) for v in losses) / len(losses)), "grad_norm": grad_norm,
+        busy, wall = phase or (sum(w.busy for w in self.workers), time.perf_counter() - t0)
+        losses = torch.stack([v for w in self.workers for v in w.losses.values()]).double().tolist()  # one copy
+        return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
                 "nonfinite": sum(len(w.nonfinite) for w in self.workers)}
 

@@ -13,14 +13,17 @@
   without ``data_parallel``) are averaged here: a synchronous schedule averages every such local chunk at its
   first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
   an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied
-  parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (one
-  all-reduce of a scalar; each stage counted once) for clipping and reporting. Asynchronous schedules clip
+  parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (each
+  stage counted once) for clipping and reporting, in the iteration's one all-reduce of scalars (with the
+  losses and times, on the rank's device: NCCL reduces no CPU tensors). Asynchronous schedules clip
   per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the pipeline-wide
   norm of that micro-batch does not exist yet.
 - A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
   decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
-  rank receives at the end of the iteration (``nonfinite``), so all ranks learn of it at the same step; the
-  replicas skip the same updates (their gradients are averaged first), which count once.
+  rank receives (``nonfinite``; asynchronous schedules all-reduce it at the end of the iteration), so all
+  ranks learn of it at the same step; the replicas skip the same updates (their gradients are averaged
+  first), which count once. A synchronous schedule's busy and wall time (the bubble) are its forward and
+  backward phase's, up to the first ``Step``, where its scalars are all-reduced.
 - Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
   every rank (``faults``). Each action, each wait for a peer and each collective is announced to the rank's
   watchdog (``watchdog``), which ends a job that stops making progress, naming who holds it up.
@@ -115,16 +118,22 @@ class Executor:
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         """Run one iteration of ``plan`` (the training plan or its forward-only twin); returns stats that are
-        the same on every rank: mean loss, global gradient norm (synchronous schedules), busy and wall time."""
+        the same on every rank: mean loss, global gradient norm (synchronous schedules), busy and wall time.
+
+        The iteration's scalars travel in one all-reduce: a synchronous schedule's at its first ``Step`` (the
+        squared norm, the losses and the forward-backward phase's busy and wall time; its skipped updates
+        follow from the norm), an asynchronous one's at the end (losses, times, skipped updates)."""
         w = self.worker
         self.p2p.reset(plan)
         w.begin(inputs, targets, train=train, plan=plan)
         t0 = time.perf_counter()
         grad_norm = float("nan")
-        first_step = True
+        totals = None  # the all-reduced [loss sum, losses, busy, wall, skipped updates]
+        norm_reduced = False
         action = None
         self._dp_done: set[int] = set()
         doing = self._doing
+        synchronous = plan.schedule.synchronous
         try:
             for i, action in enumerate(plan.actions[self.me]):
                 if isinstance(action, BackwardWeight):
@@ -151,38 +160,33 @@ class Executor:
                         if c.stage in action.stages:
                             w.stages[c].policy.binding.grads_changed()
                 elif isinstance(action, Step):
-                    doing(action, COLLECTIVE if plan.schedule.synchronous or self.dp_size > 1 else None)
+                    doing(action, COLLECTIVE if synchronous or self.dp_size > 1 else None)
                     coef, finite = None, None  # None: the worker checks this chunk's own gradient
-                    if self.dp_size > 1 and plan.schedule.synchronous and first_step:
+                    if self.dp_size > 1 and synchronous and totals is None:
                         for c in w.stages:  # every chunk, before the ties and the norm read them
                             if c.stage not in self._dp_done:
                                 self._dp_average(c)
-                    elif self.dp_size > 1 and not plan.schedule.synchronous and action.stage not in self._dp_done:
+                    elif self.dp_size > 1 and not synchronous and action.stage not in self._dp_done:
                         self._dp_average(action.chunk)
-                    if plan.schedule.synchronous and first_step:
-                        first_step = False
-                        self._sum_ties()
-                        grad_norm = self._global_norm()
+                    if synchronous:
+                        if totals is None:
+                            self._sum_ties()
+                            sq, totals = self._reduce_scalars(plan, t0, with_norm=True)
+                            grad_norm, norm_reduced = math.sqrt(sq), True
                         if clip_norm is not None:
                             coef = min(1.0, clip_norm / (grad_norm + 1e-6))
-                    elif plan.schedule.synchronous:
-                        if clip_norm is not None:
-                            coef = min(1.0, clip_norm / (grad_norm + 1e-6))
+                        finite = math.isfinite(grad_norm)
                     elif clip_norm is not None:
                         local = w.chunk_norm(action.chunk)
                         coef = min(1.0, clip_norm / (local + 1e-6))
                         finite = math.isfinite(local)
-                    if plan.schedule.synchronous:
-                        finite = math.isfinite(grad_norm)
                     w.step(i, action, coef, finite)
             action = None
             self.p2p.finish()
             w.end()
-            wall = time.perf_counter() - t0
-            loss_sum = sum(float(v) for v in w.losses.values())
-            stats = torch.tensor([loss_sum, len(w.losses), w.busy, wall, len(w.nonfinite)], dtype=torch.float64)
-            doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
-            dist.all_reduce(stats)  # every rank of every data-parallel copy at once (Groups checks the world)
+            if totals is None:  # asynchronous, or a forward-only plan
+                doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
+                _, totals = self._reduce_scalars(plan, t0, with_norm=False)
         except PipelineError:
             raise
         except Exception as e:
@@ -197,11 +201,27 @@ class Executor:
                 self.watch.idle()
         if self.watch is not None:
             self.watch.measured(time.perf_counter() - t0)
+        loss_sum, count, busy, wall, skipped = totals
+        if norm_reduced and not math.isfinite(grad_norm):
+            skipped = plan.num_steps  # every Step of the pipeline was skipped, on every rank
         D = plan.num_devices * self.dp_size
-        return {"loss": float(stats[0] / stats[1]), "grad_norm": grad_norm,
-                "busy": float(stats[2]) / D, "wall": float(stats[3]) / D,
-                "bubble": 1.0 - float(stats[2]) / max(float(stats[3]), 1e-12),
-                "nonfinite": round(float(stats[4]) / self.dp_size)}  # every replica skips the same updates
+        return {"loss": loss_sum / count, "grad_norm": grad_norm, "busy": busy / D, "wall": wall / D,
+                "bubble": 1.0 - busy / max(wall, 1e-12),
+                "nonfinite": round(skipped / (1 if synchronous else self.dp_size))}  # replicas skip the same
+
+    def _reduce_scalars(self, plan: Plan, t0: float, *, with_norm: bool) -> tuple[float, list[float]]:
+        """All-reduce, in one call over every rank of every data-parallel copy, this rank's share of the squared
+        global gradient norm (``with_norm``; replica 0's ranks only: the replicas' averaged gradients are the
+        same), its losses' sum and count, its busy and wall time so far and its skipped updates. The tensor
+        lives on this rank's device (NCCL reduces no CPU tensors). Returns (squared norm, the other sums)."""
+        w = self.worker
+        sq = float(w.sq_norm()) if with_norm and self.dp_rank == 0 else 0.0
+        loss_sum = sum(torch.stack(list(w.losses.values())).double().tolist()) if w.losses else 0.0  # one copy
+        scalars = torch.tensor([sq, loss_sum, len(w.losses), w.busy, time.perf_counter() - t0, len(w.nonfinite)],
+                               dtype=torch.float64, device=self.tdevice)
+        dist.all_reduce(scalars)  # (Groups checked that the world is every replica's pipeline)
+        values = scalars.tolist()
+        return values[0], values[1:]
 
     def _input(self, plan: Plan, op):
         src = plan.input_source(op)
@@ -232,11 +252,6 @@ class Executor:
             if len(tie.devices) > 1:
                 dist.all_reduce(total, group=self.groups.tied[tie.devices])
             self.worker.tie_set(tie, total)
-
-    def _global_norm(self) -> float:
-        sq = self.worker.sq_norm()
-        dist.all_reduce(sq, group=self.groups.pp)
-        return math.sqrt(float(sq))
 
     def _dp_average(self, chunk) -> None:
         """Average ``chunk``'s gradient over the data-parallel replicas (the same device of every replica)."""

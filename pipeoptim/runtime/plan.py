@@ -193,6 +193,11 @@ class Plan:
         return counts.pop() if counts else 1
 
     @cached_property
+    def num_steps(self) -> int:
+        """Optimizer steps in one iteration of the whole pipeline (every device's ``Step`` actions)."""
+        return sum(isinstance(a, Step) for row in self.actions for a in row)
+
+    @cached_property
     def loss_scale(self) -> float:
         """Each micro-batch's loss is multiplied by this once, so an update applies the mean gradient of the
         micro-batches it covers (synchronous: all N of the iteration, summed over mirror replicas by Sync)."""

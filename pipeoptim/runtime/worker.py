@@ -49,15 +49,17 @@ def sum_of_squares(tensors) -> torch.Tensor:
     some element is, never because a finite gradient is large (float32 squares overflow above ~1.8e19).
     """
     flats = [t.detach().reshape(-1) for t in tensors]
-    total = torch.zeros((), dtype=torch.float64)
+    device = flats[0].device if flats else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)  # summed where the buffers are: one copy back
     for flat in flats:
         if flat.numel() <= _SMALL:
-            total += torch.linalg.vector_norm(flat, dtype=torch.float64).square().cpu()
+            total += torch.linalg.vector_norm(flat, dtype=torch.float64).square()
             continue
         whole = flat.numel() // _ROW * _ROW
         rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
         rest = torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)
-        total += torch.cat([rows, rest]).double().pow(2).sum().cpu()
+        total += torch.cat([rows, rest]).double().pow(2).sum()
+    total = total.cpu()
     if not torch.isfinite(total):
         total = sum((f.double().pow(2).sum().cpu() for f in flats), torch.zeros((), dtype=torch.float64))
     return total
