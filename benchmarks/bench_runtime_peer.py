@@ -11,9 +11,11 @@ each rank checks that the two runtimes' updated weights agree (an error otherwis
 step by step (so a change in the machine's load hits both); a step's time is the slowest rank's (all ranks
 barrier first); the median over the timed rounds is reported, with the ratio of the medians. Asynchronous
 schedules (no flush) are timed the same way and compared, in samples per second, with torch's fastest
-synchronous schedule on that model (any of the four). ``--emulated`` adds the one-process rows: an emulated
-``Pipeline`` against the plain unpipelined step of the same model (forward and backward of every micro-batch,
-then AdamW).
+synchronous schedule on that model (any of the four): asynchronous 1F1B (policy none: an optimizer step per
+micro-batch and stage) and PipeDream-2BW (policy 2bw: a step per 4 micro-batches, double-buffered weights).
+``--emulated`` adds the one-process rows: an emulated ``Pipeline`` against the plain unpipelined step of the
+same model (forward and backward of every micro-batch, then AdamW); with ``--device cuda --emulated-only``
+they run on the GPU, every stage on it (torch's runtime needs a GPU per rank, so no 4-process rows there).
 
 Models: ``tiny`` (8 x Linear(64, 64)-Tanh, micro-batches of 1 x 64: almost all per-action overhead; 2 blocks
 per stage on 4 stages, 1 on 8) and ``gpt`` (a byte-level GPT of ~25M parameters, 8 blocks of width 512,
@@ -40,7 +42,7 @@ from torch import nn
 
 SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
         "zbv": "ScheduleZBVZeroBubble"}
-ASYNC = ["async-1f1b"]
+ASYNC = {"async-1f1b": "none", "2bw": "2bw"}  # asynchronous schedule -> the weight policy it runs with
 STAGES = 4                       # processes (pipeline devices)
 TWO_PER_RANK = ("interleaved", "zbv")
 _GPT_CUTS = {4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}   # over [embedding, 8 blocks, head]
@@ -113,7 +115,7 @@ def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw):
 
     total = num_stages(schedule)
     ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
-                    schedule=schedule, policy="none", microbatches=n)
+                    schedule=schedule, policy=ASYNC.get(schedule, "none"), microbatches=n)
     if schedule not in SYNC:
         return ours, None, {}
     rank = dist.get_rank()

@@ -96,3 +96,23 @@ def count_scalar_all_reduces(cases, steps: int = STEPS):
             dist.all_reduce = real
         out.append({"sizes": sizes, "stats": stats})
     return out
+
+
+def one_device_job(device: str, schedule: str, policy, emulate: bool, steps: int = 3):
+    """A one-device pipeline of 3 Linear-Tanh layers on ``device`` (run as a one-rank job: NCCL on a GPU, gloo on
+    the CPU; or emulated): the losses, the last stats and the weights (on the CPU) after ``steps`` steps."""
+    from torch import nn
+
+    from pipeoptim.train import Pipeline
+
+    def layer(i):
+        torch.manual_seed(10 + i)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh()).to(device)
+
+    pipe = Pipeline([layer(i) for i in range(3)], loss_fn=lambda y, t: nn.functional.mse_loss(y, t), devices=1,
+                    optimizer=adamw, schedule=schedule, policy=policy, microbatches=4, emulate=emulate, device=device)
+    g = torch.Generator().manual_seed(5)
+    losses = [pipe.train_step((torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)))
+              for _ in range(steps)]
+    return {"losses": losses, "stats": dict(pipe.last_stats),
+            "params": {k: v.detach().cpu().clone() for k, v in pipe.named_parameters().items()}}

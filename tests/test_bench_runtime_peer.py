@@ -103,3 +103,14 @@ def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     times = bench.emulated_job("tiny", 4, 2, 0)
     assert set(times) == {"pipeoptim", "plain", "staged"} and all(len(v) == 2 for v in times.values())
+
+
+def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
+    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, timeout_s=240)
+    assert bench.ASYNC == {"async-1f1b": "none", "2bw": "2bw"}
+    assert all(set(t) == {"pipeoptim"} and len(t["pipeoptim"]) == 1 for t in per_rank)
+
+
+def test_a_gpu_run_is_emulated_only():
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cuda", "--models", "tiny"])

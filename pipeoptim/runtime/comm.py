@@ -141,12 +141,23 @@ class _Buffers:
     def __init__(self, device):
         self.device = device
         self.held: dict[tuple[int, int], torch.Tensor] = {}
+        self.packing: dict[tuple[int, int], tuple] = {}  # key -> (layout, its buffer, the views to pack into)
 
     def get(self, key: tuple[int, int], nbytes: int) -> torch.Tensor:
         buf = self.held.get(key)
         if buf is None or buf.numel() != nbytes:
             buf = self.held[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf
+
+    def for_sending(self, key: tuple[int, int], layout: Layout) -> tuple[torch.Tensor, tuple]:
+        """``key``'s buffer in ``layout`` with its flag set to 'same', and the views to pack the tensors into:
+        made once per buffer and layout (the sender never writes another flag into it), not per message."""
+        entry = self.packing.get(key)
+        if entry is None or entry[0] is not layout:
+            buf = self.get(key, layout.nbytes)
+            layout.flag(buf).fill_(_SAME)
+            entry = self.packing[key] = (layout, buf, layout.views(buf))
+        return entry[1], entry[2]
 
 
 class _Posted:
@@ -208,10 +219,9 @@ class P2P:
         self.pending.append((dist.batch_isend_irecv(ops), keep, key, dst))
 
     def _pack(self, dst: int, index: int, layout: Layout, tensors: tuple) -> torch.Tensor:
-        buf = self._send_bufs.get((dst, index), layout.nbytes)   # its last send completed at the last finish()
-        layout.flag(buf).fill_(_SAME)
+        buf, views = self._send_bufs.for_sending((dst, index), layout)  # its last send completed at the last finish()
         with torch.no_grad():
-            for view, t in zip(layout.views(buf), tensors):
+            for view, t in zip(views, tensors):
                 if t is not None:
                     view.copy_(t)
         return buf
