@@ -36,20 +36,21 @@ def _p2p_job():
 
     import torch.distributed as dist
 
+    from pipeoptim.runtime import comm
     from pipeoptim.runtime.comm import P2P
     from pipeoptim.runtime.dist_env import init_from_env
 
     init_from_env()
     rank = int(os.environ["RANK"])
-    sent_ops: list[list[int]] = []
-    real = dist.batch_isend_irecv
+    sent_ops: list[list[int]] = []   # per transfer, the sizes of the tensors sent (header, payload, ...)
+    real = comm._start
 
-    def counting(ops):
-        if ops and ops[0].op is dist.isend:
-            sent_ops.append([t.tensor.numel() for t in ops])
-        return real(ops)
+    def counting(op, tensors, peer):
+        if op is dist.isend:
+            sent_ops.append([t.numel() for t in tensors])
+        return real(op, tensors, peer)
 
-    dist.batch_isend_irecv = counting
+    comm._start = counting
     keys = [k for k, _ in _messages(0)]
     plan = SimpleNamespace(channels={(0, 1): keys})
     p2p = P2P(plan, rank, lambda d: d, torch.device("cpu"))

@@ -160,12 +160,22 @@ class _Buffers:
         return entry[1], entry[2]
 
 
+def _start(op, tensors: list[torch.Tensor], peer: int) -> list:
+    """Start ``op`` (``dist.isend`` or ``dist.irecv``) of each tensor, in order, with global rank ``peer``; returns
+    the works. CPU tensors (gloo) go one call each: ``batch_isend_irecv`` adds ~20 µs per call there (measured on
+    a 2-core Xeon, 26 µs against 7.6 for an isend) and gloo keeps a pair's messages in order anyway; GPU tensors
+    (NCCL) go in one batch, as NCCL wants its point-to-point calls grouped."""
+    if tensors[0].device.type == "cpu":
+        return [op(t, peer) for t in tensors]
+    return dist.batch_isend_irecv([dist.P2POp(op, t, peer) for t in tensors])
+
+
 class _Posted:
     """The receive of one message posted ahead, in the agreed layout."""
 
     def __init__(self, peer: int, layout: Layout, buf: torch.Tensor):
         self.layout, self.buf = layout, buf
-        self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer)])
+        self.works = _start(dist.irecv, [buf], peer)
 
 
 class P2P:
@@ -215,8 +225,7 @@ class P2P:
                 agreed.flag(fill).fill_(_CHANGED)
                 keep = [fill] + keep
             self.sent_layouts[slot] = layout
-        ops = [dist.P2POp(dist.isend, t, peer) for t in keep]
-        self.pending.append((dist.batch_isend_irecv(ops), keep, key, dst))
+        self.pending.append((_start(dist.isend, keep, peer), keep, key, dst))
 
     def _pack(self, dst: int, index: int, layout: Layout, tensors: tuple) -> torch.Tensor:
         buf, views = self._send_bufs.for_sending((dst, index), layout)  # its last send completed at the last finish()
@@ -258,11 +267,11 @@ class P2P:
             if int(posted.layout.flag(posted.buf)) == _SAME:
                 return posted.layout.views(posted.buf)
         h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer)]):
+        for w in _start(dist.irecv, [h], peer):
             self.wait(w, f"the header of {key}'s input from rank {peer}", peer)
         layout = Layout(tuple(unpack_header(h)))
         buf = self._recv_bufs.get((src, index), layout.nbytes)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer)]):
+        for w in _start(dist.irecv, [buf], peer):
             self.wait(w, f"{key}'s input from rank {peer}", peer)
         self.recv_layouts[slot_of(src, key)] = layout
         return layout.views(buf)
