@@ -66,11 +66,6 @@ class Groups:
             raise PipelineError(f"the process group has {dist.get_world_size()} ranks but the pipeline needs "
                                 f"{D} devices x {dp_size} data-parallel copies = {world}")
         rank_of = lambda q, d: q * D + d  # noqa: E731
-        self.pp = None
-        for q in range(dp_size):
-            g = dist.new_group([rank_of(q, d) for d in range(D)]) if dp_size > 1 else dist.group.WORLD
-            if q == dp_rank:
-                self.pp = g
         self.dp = None
         if dp_size > 1:
             for d in range(D):
