@@ -60,8 +60,6 @@ Rules for the executor:
 """
 from __future__ import annotations
 
-import contextlib
-import sys
 from contextlib import contextmanager
 from typing import Any, ClassVar, Hashable, Iterator
 
@@ -431,9 +429,10 @@ class _ForwardScope(_Scope):
         self.tag = tag = p._forward_tag(mb, s)
         self.acts = acts = {} if p.measure_activations else None
         contexts = []
+        # (with s = 0 and real weights, autograd saves the weights itself: no step comes before the backward)
         if not (s == 0 and acts is None and p.saves_real_weights_at_s0):
-            contexts.append(p.saved.hooks(tag, p._resolve, acts))  # else autograd saves the weights itself: no
-        if p._reads_own_forward_weights:                            # step comes before the backward
+            contexts.append(p.saved.hooks(tag, p._resolve, acts))
+        if p._reads_own_forward_weights:
             contexts.append(p._forward_weights(mb, s))
         self._enter(contexts)
 

@@ -169,14 +169,9 @@ class DeviceWorker:
                 raise RuntimeError(f"no input arrived for {op}")
             xs = tuple(x.requires_grad_(True) if self.train and x.is_floating_point() else x for x in received)
         if self.train:
-            with st.policy.forward(op.mb, s=s, lookahead=lookahead):
-                if self.autocast_dtype is None:
-                    out = self._run_module(st, xs, op.mb)
-                    loss = self.loss_fn(out, self.targets[op.mb]) if last else None
-                else:
-                    with self._autocast():
-                        out = self._run_module(st, xs, op.mb)
-                        loss = self.loss_fn(out, self.targets[op.mb]) if last else None
+            with st.policy.forward(op.mb, s=s, lookahead=lookahead), self._autocast():
+                out = self._run_module(st, xs, op.mb)
+                loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
                 self.saved[key] = (xs, (loss * self.plan.loss_scale,))
