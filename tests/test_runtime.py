@@ -29,6 +29,26 @@ def test_plan_s_matches_schedules_staleness(name, D, N):
         assert plan.s_forward(Forward(mb, stage, replica[mb])) == s
 
 
+@pytest.mark.parametrize("name,D,N", [("1f1b", 4, 4), ("zbv", 4, 8), ("bitpipe", 4, 8), ("async-1f1b", 4, 8)])
+def test_plan_program_says_of_each_action_what_the_plan_does(name, D, N):
+    """The loops of the executor and the emulator read Plan.program instead of asking the plan per action."""
+    from pipeoptim.runtime.plan import COMPUTE, STEP, SYNC, WEIGHT
+    from pipeoptim.schedules.actions import BackwardWeight, Step, Sync, is_compute
+    plan = Plan(make_schedule(name, D, N))
+    assert [[a for _, a, _, _ in row] for row in plan.program] == plan.actions
+    kinds = set()
+    for row in plan.program:
+        for kind, a, src, out_to in row:
+            kinds.add(kind)
+            if isinstance(a, BackwardWeight):
+                assert (kind, src, out_to) == (WEIGHT, None, None)
+            elif is_compute(a):
+                assert (kind, src, out_to) == (COMPUTE, plan.input_source(a), plan.output_of(a))
+            else:
+                assert kind == (SYNC if isinstance(a, Sync) else STEP) and isinstance(a, (Sync, Step))
+    assert {COMPUTE, STEP} <= kinds and (WEIGHT in kinds) == (name == "zbv")
+
+
 def test_plan_async_1f1b_warmup_and_steady_state():
     plan = Plan(make_schedule("async-1f1b", 4, 8))
     for k in range(4):

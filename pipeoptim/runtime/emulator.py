@@ -15,14 +15,13 @@ import time
 
 import torch
 
-from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
+from ..schedules.actions import Forward, Step, Sync
 from .executor import describe_failure
-from .plan import Plan, PipelineError
+from .plan import COMPUTE, SYNC, WEIGHT, Plan, PipelineError
 from .worker import DeviceWorker
 
 __all__ = ["Emulator"]
 
-_COMPUTE, _WEIGHT, _SYNC, _STEP = "compute", "weight", "sync", "step"  # the kinds of action the loop tells apart
 
 
 class Emulator:
@@ -30,7 +29,6 @@ class Emulator:
         if len(workers) != plan.num_devices:
             raise ValueError(f"the emulator needs one worker per device ({plan.num_devices}), got {len(workers)}")
         self.plan, self.workers = plan, workers
-        self._programs: dict[int, tuple] = {}  # id(plan) -> (plan, its program)
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         D = plan.num_devices
@@ -39,7 +37,7 @@ class Emulator:
         mailbox: dict = {}  # consumer action -> its input, sent from another device (a copy, as on the wire)
         pos = [0] * D
         acts = plan.actions
-        program = self._program(plan)
+        program = plan.program
         t0 = time.perf_counter()
         grad_norm = float("nan")
         coef: float | None = None
@@ -56,7 +54,7 @@ class Emulator:
                 while pos[d] < len(row):
                     kind, a, src, out_to = row[pos[d]]
                     try:
-                        if kind is _COMPUTE:
+                        if kind is COMPUTE:
                             if src is None:
                                 data = None
                             elif src == d:
@@ -73,9 +71,9 @@ class Emulator:
                                     local[out_to.to_op] = out
                                 else:
                                     mailbox[out_to.to_op] = tuple(None if x is None else x.clone() for x in out)
-                        elif kind is _WEIGHT:
+                        elif kind is WEIGHT:
                             w.backward_weight(a)
-                        elif kind is _SYNC:
+                        elif kind is SYNC:
                             if not self._sync(a, d, pos, acts, sync_seen):
                                 break
                             moved = True
@@ -119,25 +117,6 @@ class Emulator:
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
                 "nonfinite": sum(len(w.nonfinite) for w in self.workers)}
-
-    def _program(self, plan: Plan) -> list[list[tuple]]:
-        """Each device's actions as (kind, action, input source, output transfer), derived once per plan: the
-        loop then asks the plan nothing per action."""
-        program = self._programs.get(id(plan))
-        if program is None or program[0] is not plan:
-            rows = []
-            for row in plan.actions:
-                out = []
-                for a in row:
-                    if isinstance(a, BackwardWeight):
-                        out.append((_WEIGHT, a, None, None))
-                    elif is_compute(a):
-                        out.append((_COMPUTE, a, plan.input_source(a), plan.output_of(a)))
-                    else:
-                        out.append((_SYNC if isinstance(a, Sync) else _STEP, a, None, None))
-                rows.append(out)
-            program = self._programs[id(plan)] = (plan, rows)
-        return program[1]
 
     def _sum_ties(self) -> None:
         """Tied parameters: every copy's gradient becomes the sum over the copies (devices in order)."""

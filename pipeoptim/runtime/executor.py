@@ -36,10 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..schedules.actions import BackwardWeight, Forward, Step, Sync, is_compute
+from ..schedules.actions import Forward, Sync
 from .comm import P2P
 from .faults import is_connection_loss
-from .plan import Plan, PipelineError
+from .plan import COMPUTE, STEP, SYNC, WEIGHT, Plan, PipelineError
 from .watchdog import COLLECTIVE
 from .worker import DeviceWorker
 
@@ -130,17 +130,26 @@ class Executor:
         doing = self._doing
         synchronous = plan.schedule.synchronous
         try:
-            for i, action in enumerate(plan.actions[self.me]):
-                if isinstance(action, BackwardWeight):
+            for i, (kind, action, src, out_to) in enumerate(plan.program[self.me]):
+                if kind is WEIGHT:
                     doing(action)
                     w.backward_weight(action)
-                elif is_compute(action):
+                elif kind is COMPUTE:
                     doing(action)
-                    data = self._input(plan, action)
+                    if src is None:    # the data, or the loss
+                        data = None
+                    elif src == self.me:  # a hand-off between this device's chunks
+                        data = w.local.pop(action)
+                    else:
+                        data = self.p2p.recv(src, action)
                     doing(action)
                     out = w.forward(action, data) if isinstance(action, Forward) else w.backward(action, data)
-                    self._deliver(plan, action, out)
-                elif isinstance(action, Sync):
+                    if out is not None and out_to is not None:
+                        if out_to.local:
+                            w.local[out_to.to_op] = out
+                        else:
+                            self.p2p.send(out_to.dst, out_to.to_op, out)
+                elif kind is SYNC:
                     doing(action, COLLECTIVE)
                     group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
                     bufs = w.sync_buffers(action.stages)
@@ -154,7 +163,7 @@ class Executor:
                     for c in w.stages:
                         if c.stage in action.stages:
                             w.stages[c].policy.binding.grads_changed()
-                elif isinstance(action, Step):
+                elif kind is STEP:
                     doing(action, COLLECTIVE if synchronous or self.dp_size > 1 else None)
                     coef, finite = None, None  # None: the worker checks this chunk's own gradient
                     if self.dp_size > 1 and synchronous and totals is None:
@@ -217,25 +226,6 @@ class Executor:
         dist.all_reduce(scalars)  # (Groups checked that the world is every replica's pipeline)
         values = scalars.tolist()
         return values[0], values[1:]
-
-    def _input(self, plan: Plan, op):
-        src = plan.input_source(op)
-        if src is None:
-            return None
-        if src == self.me:
-            return self.worker.local.pop(op)
-        return self.p2p.recv(src, op)
-
-    def _deliver(self, plan: Plan, op, out) -> None:
-        if out is None:
-            return
-        t = plan.output_of(op)
-        if t is None:
-            return
-        if t.local:
-            self.worker.local[t.to_op] = out
-        else:
-            self.p2p.send(t.dst, t.to_op, out)
 
     def _sum_ties(self) -> None:
         """Tied parameters: each copy's gradient becomes the sum over all copies (all-reduce between the owning

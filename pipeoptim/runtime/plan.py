@@ -29,7 +29,9 @@ from ..schedules.dataflow import Transfer, input_transfer, output_transfer
 from ..schedules.schedule import Schedule
 from ..schedules.timeline import run_timeline, unit_durations
 
-__all__ = ["Plan", "ConfigError", "PipelineError"]
+__all__ = ["Plan", "ConfigError", "PipelineError", "COMPUTE", "WEIGHT", "SYNC", "STEP"]
+
+COMPUTE, WEIGHT, SYNC, STEP = "compute", "weight", "sync", "step"  # the kinds of action in ``Plan.program``
 
 
 class ConfigError(ValueError):
@@ -139,6 +141,25 @@ class Plan:
                     t = output_transfer(self.schedule, Forward(a.mb, a.stage, a.replica))
                     sources[a] = None if t is None else t.dst
         return outputs, sources
+
+    @cached_property
+    def program(self) -> list[list[tuple]]:
+        """Each device's actions as ``(kind, action, input source, output transfer)``, kind one of ``COMPUTE``
+        (a forward, backward or ``I``: source and transfer as ``input_source`` and ``output_of`` say), ``WEIGHT``
+        (a split backward's ``W``), ``SYNC``, ``STEP``: what the executor and the emulator ask of each action,
+        derived once, so their loops ask the plan nothing per action."""
+        rows = []
+        for row in self.actions:
+            out = []
+            for a in row:
+                if isinstance(a, BackwardWeight):
+                    out.append((WEIGHT, a, None, None))
+                elif is_compute(a):
+                    out.append((COMPUTE, a, self.input_source(a), self.output_of(a)))
+                else:
+                    out.append((SYNC if isinstance(a, Sync) else STEP, a, None, None))
+            rows.append(out)
+        return rows
 
     def output_of(self, op) -> Transfer | None:
         """Where the output of compute action ``op`` goes."""
