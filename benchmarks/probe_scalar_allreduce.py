@@ -1,12 +1,14 @@
-"""What does one all-reduce of a few scalars cost between the pipeline's processes?
+"""What does summing a few scalars over the pipeline's processes cost, by all-reduce and by ``RankSum``'s star?
 
-Why this exists: a pipeoptim iteration all-reduces its scalars once (the squared gradient norm, the losses, the
-times, the skipped updates: six float64 numbers), for clipping, the non-finite check and a loss every rank
-reports; torch.distributed.pipelining's schedules run none (their loss stays on the last stage, and they neither
-clip nor skip). On the tiny model of bench_runtime_peer.py a step takes a few tens of milliseconds, so this one
-collective is a visible share of the gap between the two runtimes there. The probe times it alone: ``--procs``
-processes on gloo (one thread each), ``--rounds`` all-reduces of six float64 numbers after a barrier and 20
-untimed ones; each rank's median and mean, in milliseconds.
+Why this exists: a pipeoptim iteration sums its scalars over every rank once (the squared gradient norm, the
+losses, the times, the skipped updates: six float64 numbers), for clipping, the non-finite check and a loss every
+rank reports; torch.distributed.pipelining's schedules run none (their loss stays on the last stage, and they
+neither clip nor skip). On the tiny model of bench_runtime_peer.py a step takes a few tens of milliseconds, so
+this one reduction is a visible share of the gap between the two runtimes there. The probe times both ways of
+doing it on gloo: ``dist.all_reduce`` (a ring on the process group's worker thread) and
+``pipeoptim.runtime.scalars.RankSum`` (rank 0 gathers, sums and sends back by point-to-point messages: what the
+executor uses on gloo). ``--procs`` processes (one thread each), ``--rounds`` reductions of six float64 numbers
+after a barrier and 20 untimed ones, the two ways alternating in blocks; each rank's median and mean, in ms.
 
     python benchmarks/probe_scalar_allreduce.py [--procs 4] [--rounds 300]
 """
@@ -24,18 +26,24 @@ def rank_job(rounds: int) -> dict:
     import torch.distributed as dist
 
     from pipeoptim.runtime.dist_env import init_from_env
+    from pipeoptim.runtime.scalars import RankSum
     init_from_env("cpu")
     torch.set_num_threads(1)
     scalars = torch.zeros(6, dtype=torch.float64)
-    for _ in range(20):
-        dist.all_reduce(scalars)
-    dist.barrier()
-    took = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        dist.all_reduce(scalars)
-        took.append(time.perf_counter() - t0)
-    return {"median_ms": statistics.median(took) * 1e3, "mean_ms": statistics.fmean(took) * 1e3}
+    star = RankSum("cpu", star=True)
+    ways = {"all_reduce": lambda: dist.all_reduce(scalars), "RankSum (star)": lambda: star([0.0] * 6)}
+    took: dict[str, list[float]] = {name: [] for name in ways}
+    for block in range(4):
+        for name, reduce in ways.items():
+            for _ in range(20 if block == 0 else 0):
+                reduce()
+            dist.barrier()
+            for _ in range(-(-rounds // 4)):
+                t0 = time.perf_counter()
+                reduce()
+                took[name].append(time.perf_counter() - t0)
+    return {name: {"median_ms": statistics.median(t) * 1e3, "mean_ms": statistics.fmean(t) * 1e3}
+            for name, t in took.items()}
 
 
 def main(argv=None) -> int:
@@ -48,7 +56,8 @@ def main(argv=None) -> int:
     from pipeoptim.runtime import launch
     per_rank = launch(rank_job, args.procs, args.rounds, timeout_s=600)
     for r, res in enumerate(per_rank):
-        print(f"rank {r}: median {res['median_ms']:.3f} ms, mean {res['mean_ms']:.3f} ms")
+        print(f"rank {r}: " + "; ".join(f"{name} median {t['median_ms']:.3f} ms, mean {t['mean_ms']:.3f} ms"
+                                        for name, t in res.items()))
     return 0
 
 

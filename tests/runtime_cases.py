@@ -73,28 +73,35 @@ def run_cases(cases):
     return [train(make_pipeline(c, emulate=False)) for c in cases]
 
 
-def count_scalar_all_reduces(cases, steps: int = STEPS):
-    """Rank side: per case, the sizes of the tensors each training iteration all-reduces (gradient buffers and
-    the iteration's scalars alike), and every iteration's stats."""
+def count_reductions(cases, steps: int = STEPS):
+    """Rank side: per case and training iteration, the sizes of the tensors all-reduced (gradient buffers) and
+    of the value lists summed by ``scalars.RankSum``, and every iteration's stats."""
     import torch.distributed as dist
-    real = dist.all_reduce
+
+    from pipeoptim.runtime.scalars import RankSum
+    real_all_reduce, real_sum = dist.all_reduce, RankSum.__call__
     out = []
     for case in cases:
         pipe = make_pipeline(case, emulate=False)
-        sizes, stats = [], []
+        sizes, scalar_sums, stats = [], [], []
 
         def counting(tensor, *args, **kwargs):
             sizes[-1].append(tensor.numel())
-            return real(tensor, *args, **kwargs)
-        dist.all_reduce = counting
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        def counting_sum(self, values):
+            scalar_sums[-1].append(len(values))
+            return real_sum(self, values)
+        dist.all_reduce, RankSum.__call__ = counting, counting_sum
         try:
             for i in range(steps):
                 sizes.append([])
+                scalar_sums.append([])
                 pipe.train_step(batch(i))
                 stats.append(dict(pipe.last_stats))
         finally:
-            dist.all_reduce = real
-        out.append({"sizes": sizes, "stats": stats})
+            dist.all_reduce, RankSum.__call__ = real_all_reduce, real_sum
+        out.append({"sizes": sizes, "scalar_sums": scalar_sums, "stats": stats})
     return out
 
 

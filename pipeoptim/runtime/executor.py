@@ -14,16 +14,16 @@
   first ``Step`` (all of them, so the tie sums and the norm below read averaged gradients on every replica),
   an asynchronous one each chunk at its own ``Step``. Synchronous schedules then sum the gradients of tied
   parameters over their copies (``tied``) and compute the global gradient norm over the whole pipeline (each
-  stage counted once) for clipping and reporting, in the iteration's one all-reduce of scalars (with the
-  losses and times, on the rank's device: NCCL reduces no CPU tensors). Asynchronous schedules clip
-  per stage: the last stage must step before stage 0 has the micro-batch's gradient, so the pipeline-wide
-  norm of that micro-batch does not exist yet.
+  stage counted once) for clipping and reporting, in the iteration's one reduction of scalars over every rank
+  (with the losses and times; ``scalars``). Asynchronous schedules clip per stage: the last stage must step
+  before stage 0 has the micro-batch's gradient, so the pipeline-wide norm of that micro-batch does not exist
+  yet.
 - A ``Step`` whose gradient holds a NaN or inf is skipped (``DeviceWorker.step``); synchronous schedules
   decide on the global norm, so every rank skips the same iteration. The count is part of the stats every
-  rank receives (``nonfinite``; asynchronous schedules all-reduce it at the end of the iteration), so all
-  ranks learn of it at the same step; the replicas skip the same updates (their gradients are averaged
+  rank receives (``nonfinite``; asynchronous schedules sum it over the ranks at the end of the iteration), so
+  all ranks learn of it at the same step; the replicas skip the same updates (their gradients are averaged
   first), which count once. A synchronous schedule's busy and wall time (the bubble) are its forward and
-  backward phase's, up to the first ``Step``, where its scalars are all-reduced.
+  backward phase's, up to the first ``Step``, where its scalars are summed over the ranks.
 - Any exception is re-raised as ``PipelineError`` naming rank, device, stage and action, and published to
   every rank (``faults``). Each action, each wait for a peer and each collective is announced to the rank's
   watchdog (``watchdog``), which ends a job that stops making progress, naming who holds it up.
@@ -40,6 +40,7 @@ from ..schedules.actions import Forward, Sync
 from .comm import P2P
 from .faults import is_connection_loss
 from .plan import COMPUTE, STEP, SYNC, WEIGHT, Plan, PipelineError
+from .scalars import RankSum
 from .watchdog import COLLECTIVE
 from .worker import DeviceWorker
 
@@ -59,7 +60,8 @@ def describe_failure(rank: int, device: int, plan: Plan, action, exc: BaseExcept
 class Groups:
     """Process groups for one pipeline layout; every rank creates all of them in the same order."""
 
-    def __init__(self, plan: Plan, pp_rank: int, dp_rank: int, dp_size: int, tied_sets=()):
+    def __init__(self, plan: Plan, pp_rank: int, dp_rank: int, dp_size: int, tied_sets=(),
+                 device: torch.device = torch.device("cpu")):
         D = plan.num_devices
         world = D * dp_size
         if dist.get_world_size() != world:
@@ -93,6 +95,7 @@ class Groups:
                 g = dist.new_group([rank_of(q, d) for d in devs])
                 if q == dp_rank and pp_rank in devs:
                     self.tied[devs] = g
+        self.scalars = RankSum(device)  # the iteration's scalars, over every rank
 
 
 class Executor:
@@ -102,7 +105,7 @@ class Executor:
         self.dp_rank, self.dp_size, self.tdevice = dp_rank, dp_size, device
         self.rank = dp_rank * plan.num_devices + self.me
         tied_sets = [t.devices for t in worker.ties if len(t.devices) > 1]
-        self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets)
+        self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets, device)
         self.watch = watch
         self._doing = watch.doing if watch is not None else (lambda what, peer=None: None)
         self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device, wait=self._wait)
@@ -115,15 +118,15 @@ class Executor:
         """Run one iteration of ``plan`` (the training plan or its forward-only twin); returns stats that are
         the same on every rank: mean loss, global gradient norm (synchronous schedules), busy and wall time.
 
-        The iteration's scalars travel in one all-reduce: a synchronous schedule's at its first ``Step`` (the
-        squared norm, the losses and the forward-backward phase's busy and wall time; its skipped updates
-        follow from the norm), an asynchronous one's at the end (losses, times, skipped updates)."""
+        The iteration's scalars travel in one reduction over the ranks: a synchronous schedule's at its first
+        ``Step`` (the squared norm, the losses and the forward-backward phase's busy and wall time; its skipped
+        updates follow from the norm), an asynchronous one's at the end (losses, times, skipped updates)."""
         w = self.worker
         self.p2p.reset(plan)
         w.begin(inputs, targets, train=train, plan=plan)
         t0 = time.perf_counter()
         grad_norm = float("nan")
-        totals = None  # the all-reduced [loss sum, losses, busy, wall, skipped updates]
+        totals = None  # summed over the ranks: [loss sum, losses, busy, wall, skipped updates]
         norm_reduced = False
         action = None
         self._dp_done: set[int] = set()
@@ -189,7 +192,7 @@ class Executor:
             self.p2p.finish()
             w.end()
             if totals is None:  # asynchronous, or a forward-only plan
-                doing("the end-of-iteration all-reduce of the loss", COLLECTIVE)
+                doing("the end-of-iteration sum of the loss over the ranks", COLLECTIVE)
                 _, totals = self._reduce_scalars(plan, t0, with_norm=False)
         except PipelineError:
             raise
@@ -214,17 +217,15 @@ class Executor:
                 "nonfinite": round(skipped / (1 if synchronous else self.dp_size))}  # replicas skip the same
 
     def _reduce_scalars(self, plan: Plan, t0: float, *, with_norm: bool) -> tuple[float, list[float]]:
-        """All-reduce, in one call over every rank of every data-parallel copy, this rank's share of the squared
-        global gradient norm (``with_norm``; replica 0's ranks only: the replicas' averaged gradients are the
-        same), its losses' sum and count, its busy and wall time so far and its skipped updates. The tensor
-        lives on this rank's device (NCCL reduces no CPU tensors). Returns (squared norm, the other sums)."""
+        """Sum, in one reduction over every rank of every data-parallel copy (``scalars.RankSum``: the same total
+        on every rank), this rank's share of the squared global gradient norm (``with_norm``; replica 0's ranks
+        only: the replicas' averaged gradients are the same), its losses' sum and count, its busy and wall time
+        so far and its skipped updates. Returns (squared norm, the other sums)."""
         w = self.worker
         sq = float(w.sq_norm()) if with_norm and self.dp_rank == 0 else 0.0
         loss_sum = sum(torch.stack(list(w.losses.values())).double().tolist()) if w.losses else 0.0  # one copy
-        scalars = torch.tensor([sq, loss_sum, len(w.losses), w.busy, time.perf_counter() - t0, len(w.nonfinite)],
-                               dtype=torch.float64, device=self.tdevice)
-        dist.all_reduce(scalars)  # (Groups checked that the world is every replica's pipeline)
-        values = scalars.tolist()
+        values = self.groups.scalars([sq, loss_sum, len(w.losses), w.busy, time.perf_counter() - t0,
+                                      len(w.nonfinite)])  # (Groups checked that the world is every replica's)
         return values[0], values[1:]
 
     def _sum_ties(self) -> None:
