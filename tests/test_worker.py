@@ -3,6 +3,8 @@ float64 sum written here, and exactly as finite as the gradients are) and run_ba
 without its argument checks: the same gradients, and a clear error for a loss that is not one number)."""
 from __future__ import annotations
 
+import copy
+
 import math
 
 import pytest
@@ -81,11 +83,34 @@ def test_run_backward_accumulates_what_torch_autograd_backward_does():
         grads[how] = [x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone()]
     for a, b in zip(grads["torch"], grads["ours"]):
         assert torch.equal(a, b)
-    loss = (lin(x) ** 2).mean()
-    lin.zero_grad(set_to_none=False)
-    run_backward([loss], None)  # a scalar loss: its gradient is 1
-    expected = torch.autograd.grad((lin(x) ** 2).mean(), lin.weight)[0]
-    assert torch.allclose(lin.weight.grad, expected)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])  # a full backward, and one split in two (I then W)
+def test_the_last_stage_starts_its_backward_from_the_loss_scale_bit_for_bit(schedule):
+    """The loss is not multiplied by the scale (1/N) in the forward: its backward is seeded with the scale, which
+    gives the gradients of ``(loss * scale).backward()`` bit for bit (regression: issue 23's op per micro-batch)."""
+    from pipeoptim.train import Pipeline
+    n = 3  # 1/3 is not exact in binary
+    make = lambda i: torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh())  # noqa: E731
+    torch.manual_seed(0)
+    ref = [make(i) for i in range(2)]
+    pipe = Pipeline(stages=lambda i: copy.deepcopy(ref[i]), devices=2, emulate=True, schedule=schedule,
+                    microbatches=n, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=1.0))
+    x, t = torch.randn(n, 6), torch.randn(n, 6)
+    pipe.train_step((x, t))
+    model = torch.nn.Sequential(*ref)
+    for xm, tm in zip(x.chunk(n), t.chunk(n)):
+        (((model(xm) - tm) ** 2).mean() * (1 / n)).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    mine = pipe.named_parameters()
+    theirs = dict(model.named_parameters())
+    assert len(mine) == len(theirs)
+    for name, p in mine.items():
+        stage, rest = name.split(".", 1)
+        assert torch.equal(p.detach(), theirs[f"{stage}.{rest}"].detach()), name
 
 
 def test_a_loss_that_is_not_one_number_is_a_clear_error():

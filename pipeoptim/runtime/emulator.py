@@ -3,10 +3,11 @@
 The emulator holds one ``DeviceWorker`` per pipeline device and advances each device through its own list,
 in order, as far as its inputs allow (a compute waits for its input; a ``Sync`` waits for all its members,
 then sums their gradients in device order; the first ``Step`` of a synchronous schedule waits for every
-device, sums the gradients of tied parameters (``tied``), then computes the global gradient norm). Each device runs exactly the operations it runs under the
-distributed executor, on the same values (transfers are copies, as on the wire), so with the same seed,
-thread count and schedule the numbers agree bit for bit (sums over more than two members may differ in the
-last bit: gloo adds in its own order).
+device, sums the gradients of tied parameters (``tied``), then computes the global gradient norm). Each device
+runs exactly the operations it runs under the distributed executor, on the same values (an activation is
+copied, as on the wire; an input gradient, which its sender never reads again, is handed over), so with the
+same seed, thread count and schedule the numbers agree bit for bit (sums over more than two members may differ
+in the last bit: gloo adds in its own order).
 """
 from __future__ import annotations
 
@@ -65,12 +66,15 @@ class Emulator:
                                 if a not in mailbox:
                                     break
                                 data = mailbox.pop(a)
-                            out = w.forward(a, data) if isinstance(a, Forward) else w.backward(a, data)
+                            forward = isinstance(a, Forward)
+                            out = w.forward(a, data) if forward else w.backward(a, data)
                             if out is not None and out_to is not None:
                                 if out_to.local:
                                     local[out_to.to_op] = out
-                                else:
+                                elif forward:  # an activation: the sender keeps it (its graph, its input)
                                     mailbox[out_to.to_op] = tuple(None if x is None else x.clone() for x in out)
+                                else:  # input gradients: nobody on the sender reads them again
+                                    mailbox[out_to.to_op] = out
                         elif kind is WEIGHT:
                             w.backward_weight(a)
                         elif kind is SYNC:

@@ -141,7 +141,7 @@ def input_pass(outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Ten
                inputs: Sequence, params: Sequence[torch.Tensor]) -> tuple[tuple, WeightGradWork]:
     """Gradients of ``inputs`` (None where an input needs none) and what the weight pass needs.
 
-    outputs:       the chunk's outputs that carry gradient (the scaled loss on the last stage).
+    outputs:       the chunk's outputs that carry gradient (the loss on the last stage).
     grad_outputs:  their gradients (None: outputs are scalars, gradient 1).
     params:        the chunk's parameters that require a gradient.
     """

@@ -65,18 +65,12 @@ def sum_of_squares(tensors) -> torch.Tensor:
     return total
 
 
-def run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor] | None) -> None:
+def run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """``torch.autograd.backward(tensors, grads)`` for what a stage's backward starts from, without its
     argument normalisation: the caller has matched every gradient's shape and dtype to its output
-    (``DeviceWorker._output_grads``), and ``grads`` None means a scalar loss, whose gradient is 1. That
-    normalisation (``_make_grads``) costs as much per call as a small stage's backward itself (~40 µs of the
-    tiny model's ~140 on a slow Xeon), and a pipeline runs one backward per micro-batch and stage."""
-    if grads is None:
-        for t in tensors:
-            if t.numel() != 1:
-                raise RuntimeError(f"the loss has shape {tuple(t.shape)}, but a loss must be a single number: "
-                                   "reduce it in loss_fn (e.g. return the mean over the micro-batch)")
-        grads = [torch.ones_like(t) for t in tensors]
+    (``DeviceWorker._output_grads``; a loss starts from ``DeviceWorker._loss_seed``). That normalisation
+    (``_make_grads``) costs as much per call as a small stage's backward itself (~40 µs of the tiny model's ~140
+    on a slow Xeon), and a pipeline runs one backward per micro-batch and stage."""
     _engine_run_backward(tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True,
                          accumulate_grad=True)
 
@@ -111,6 +105,7 @@ class DeviceWorker:
         self.busy = 0.0
         self.ties: list = []  # tied.TieGroup, the same list on every rank (set by the Pipeline)
         self._abouts: dict = {}  # compute action -> what _about derives for it from the plan
+        self._seeds: dict = {}   # (shape, dtype, device, loss scale) -> _loss_seed's tensor
 
     # ---- iteration -------------------------------------------------------------------------------------
     def begin(self, inputs: list[tuple], targets: list, *, train: bool = True, plan: Plan | None = None) -> None:
@@ -174,7 +169,7 @@ class DeviceWorker:
                 loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
-                self.saved[key] = (xs, (loss * self.plan.loss_scale,))
+                self.saved[key] = (xs, (loss,))  # its backward starts from the loss scale (_loss_seed)
             else:
                 outs = as_tuple(out)
                 self.saved[key] = (xs, outs)
@@ -232,9 +227,9 @@ class DeviceWorker:
         self.busy += time.perf_counter() - t0
 
     def _output_grads(self, op, last: bool, outs: tuple, grads: tuple | None) -> tuple[list, list | None]:
-        """The tensors a backward starts from and their gradients (None on the last stage: the scaled loss)."""
+        """The tensors a backward starts from and their gradients (on the last stage: the loss, from the loss scale)."""
         if last:
-            tensors, grad_tensors = list(outs), None
+            tensors, grad_tensors = list(outs), [self._loss_seed(o) for o in outs]
         else:
             if grads is None or len(grads) != len(outs):
                 n = "none" if grads is None else len(grads)
@@ -250,6 +245,20 @@ class DeviceWorker:
                 tensors.append(o)
                 grad_tensors.append(g if g.dtype == o.dtype else g.to(o.dtype))  # (.to costs µs even as a no-op)
         return tensors, grad_tensors
+
+    def _loss_seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient a last stage's backward starts from: ``plan.loss_scale`` in the loss's shape, dtype and
+        device (what ``loss * scale`` would send back, bit for bit, without that op in the forward and its
+        backward node). One tensor per kind of loss, reused: autograd only reads it."""
+        if loss.numel() != 1:
+            raise RuntimeError(f"the loss has shape {tuple(loss.shape)}, but a loss must be a single number: "
+                               "reduce it in loss_fn (e.g. return the mean over the micro-batch)")
+        scale = self.plan.loss_scale
+        key = (loss.shape, loss.dtype, loss.device, scale)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = torch.full(loss.shape, scale, dtype=loss.dtype, device=loss.device)
+        return seed
 
     # ---- weights ---------------------------------------------------------------------------------------
     def master_grads(self, chunks) -> list[torch.Tensor]:
