@@ -10,9 +10,12 @@ holding stages r and 7 - r (its last stage, with the loss, on rank 0). Both runt
 each rank checks that the two runtimes' updated weights agree (an error otherwise). The two runtimes alternate
 step by step (so a change in the machine's load hits both); a step's time is the slowest rank's (all ranks
 barrier first); the median over the timed rounds is reported, with the ratio of the medians. Asynchronous
-schedules (no flush) are timed the same way and compared, in samples per second, with torch's fastest
-synchronous schedule on that model (any of the four): asynchronous 1F1B (policy none: an optimizer step per
-micro-batch and stage) and PipeDream-2BW (policy 2bw: a step per 4 micro-batches, double-buffered weights).
+schedules (no flush inside a step) are timed the same way, side by side with torch's fastest synchronous
+schedule on that model and N (the fastest of the four rows above, run again in the same job), and compared in
+samples per second: asynchronous 1F1B (policy none: an optimizer step per micro-batch and stage) and
+PipeDream-2BW (policy 2bw: a step per 4 micro-batches, double-buffered weights). Each ``train_step`` of an
+asynchronous schedule is one window of the stream (``schedules/asynchronous.py``): it fills and drains the
+pipeline like a synchronous step, so it keeps the same bubble and adds its extra optimizer steps.
 ``--emulated`` adds the one-process rows: an emulated ``Pipeline`` against the plain unpipelined step of the
 same model (forward and backward of every micro-batch, then AdamW); with ``--device cuda --emulated-only``
 they run on the GPU, every stage on it (torch's runtime needs a GPU per rank, so no 4-process rows there).
@@ -104,9 +107,10 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw):
-    """This rank's pipeoptim ``Pipeline`` and, for a synchronous schedule, torch's step on the same stages:
-    (pipeline, torch_step or None, {global parameter name: torch's tensor})."""
+def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | None = None):
+    """This rank's pipeoptim ``Pipeline`` and torch's step of synchronous schedule ``peer`` (default: the same
+    schedule; None for an asynchronous one without a peer): (pipeline, torch_step or None, {global parameter
+    name: torch's tensor}). Torch's stages hold the same model from the same weights, cut for ``peer``."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
@@ -116,18 +120,20 @@ def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw):
     total = num_stages(schedule)
     ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
                     schedule=schedule, policy=ASYNC.get(schedule, "none"), microbatches=n)
-    if schedule not in SYNC:
+    peer = peer or (schedule if schedule in SYNC else None)
+    if peer is None:
         return ours, None, {}
     rank = dist.get_rank()
-    mine = rank_stages(schedule, rank)
-    placed = [c.stage for c in ours.schedule.chunks[rank]]
-    if placed != mine:
-        raise RuntimeError(f"{schedule}: pipeoptim puts stages {placed} on rank {rank}, torch's "
-                           f"{SYNC[schedule]} puts {mine} there; the two runtimes would not run the same work")
+    mine = rank_stages(peer, rank)
+    if peer == schedule:
+        placed = [c.stage for c in ours.schedule.chunks[rank]]
+        if placed != mine:
+            raise RuntimeError(f"{schedule}: pipeoptim puts stages {placed} on rank {rank}, torch's "
+                               f"{SYNC[schedule]} puts {mine} there; the two runtimes would not run the same work")
+    total = num_stages(peer)
     modules = [_stage(model, i, total) for i in mine]
     stages = [PipelineStage(m, i, total, torch.device("cpu"), group=dist.group.WORLD) for m, i in zip(modules, mine)]
-    sched = getattr(torch_schedules, SYNC[schedule])(stages if len(stages) > 1 else stages[0], n,
-                                                     loss_fn=_loss(model))
+    sched = getattr(torch_schedules, SYNC[peer])(stages if len(stages) > 1 else stages[0], n, loss_fn=_loss(model))
     opt = optimizer([p for m in modules for p in m.parameters()])
     first, last = 0 in mine, total - 1 in mine
 
@@ -177,12 +183,14 @@ def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
     return [sgd_step_check(model, schedule, n) for schedule in schedules]
 
 
-def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dict:
-    """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes; returns the slowest rank's times.
-    After the first round (same weights, same batch in both) the two runtimes' weights must agree."""
+def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None) -> dict:
+    """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
+    ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone); returns the
+    slowest rank's times. When both run the same schedule, their weights must agree after the first round (same
+    weights, same batch)."""
     import torch.distributed as dist
 
-    ours, torch_step, torch_params = _runtimes(model, schedule, n)
+    ours, torch_step, torch_params = _runtimes(model, schedule, n, peer=peer)
     runners = {"pipeoptim": lambda b: ours.train_step(b)}
     if torch_step is not None:
         runners["torch"] = torch_step
@@ -197,7 +205,7 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int) -> dic
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if r >= warmup:
                 times[name].append(float(took))
-        if r == 0 and torch_step is not None:
+        if r == 0 and torch_step is not None and schedule in SYNC:
             gap, where = weight_gap(ours, torch_params)
             if gap > 0:
                 raise RuntimeError(f"{model} {schedule} N={n}, rank {dist.get_rank()}: after one step from the same "
@@ -341,16 +349,15 @@ def main(argv=None) -> int:
                 rows.append(_row(model, "4 processes", schedule, n, times, "torch", schedule))
                 torch_median = statistics.median(times["torch"])
                 if best is None or torch_median < best[1]:
-                    best = (schedule, torch_median, times["torch"])
+                    best = (schedule, torch_median)
                 print(_format(rows[-1]), flush=True)
             if not args.no_async:
                 for schedule in ASYNC:
-                    per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup,
+                    per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, best[0],
                                       timeout_s=3600)
-                    times = dict(per_rank[0], torch=best[2])
-                    rows.append(_row(model, "4 processes", schedule, n, times, "torch", best[0]))
-                    print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule, earlier run)",
-                          flush=True)
+                    rows.append(_row(model, "4 processes", schedule, n, per_rank[0], "torch", best[0]))
+                    print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
+                          "side by side)", flush=True)
         if args.emulated or args.emulated_only:
             times = emulated_job(model, 8, args.rounds, args.warmup, args.device)
             setting = "emulated" if args.device == "cpu" else f"emulated, {args.device}"

@@ -111,6 +111,13 @@ def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
     assert all(set(t) == {"pipeoptim"} and len(t["pipeoptim"]) == 1 for t in per_rank)
 
 
+def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():
+    """Its peer may cut the model differently (interleaved: 8 stages for pipeoptim's 4)."""
+    for peer in ("gpipe", "interleaved"):
+        per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 0, peer, timeout_s=240)
+        assert all(set(t) == {"pipeoptim", "torch"} and all(len(v) == 2 for v in t.values()) for t in per_rank)
+
+
 def test_a_gpu_run_is_emulated_only():
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--models", "tiny"])
