@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from .copies import check_copies, copy_starts
+from .cpu_memory import keep_freed_memory
 from .delay import DelayAwareHParams, DelayRules, stage_delays
 from .optim import as_optimizer
 from .model_cut import ModelCut, StageModule, as_layers, timing_copy
@@ -200,6 +201,11 @@ class Pipeline:
             devices = devices_per_replica(ctx.world_size, dp, devices)
         if devices is None:
             raise ConfigError("emulate=True needs devices= (how many pipeline devices to emulate)")
+        if tdev.type == "cpu":  # the optimizer's stage-sized temporaries: reused, not faulted in every step
+            try:
+                keep_freed_memory()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         sched_opts = dict(schedule_options or {})
         if dp > 1:  # the replicas' gradient all-reduces as actions of the schedule (pipeoptim schedule --data-parallel)
             sched_opts.setdefault("data_parallel", True)
