@@ -9,7 +9,10 @@ holding stages r and 7 - r (its last stage, with the loss, on rank 0). Both runt
 (checked on every rank), and after the first step, taken by both from the same weights on the same batch,
 each rank checks that the two runtimes' updated weights agree (an error otherwise). The two runtimes alternate
 step by step (so a change in the machine's load hits both); a step's time is the slowest rank's (all ranks
-barrier first); the median over the timed rounds is reported, with the ratio of the medians. Asynchronous
+barrier first); the median over the timed rounds is reported, with the ratio of the medians and the median of
+the per-round ratios (each round times both runtimes back to back) with its 90 % bootstrap interval: on 4
+processes sharing 2 cores a step's time varies by 2x from round to round, and the interval says which rows
+differ from 1.0 beyond that noise. Asynchronous
 schedules (no flush inside a step) are timed the same way, side by side with torch's fastest synchronous
 schedule on that model and N (the fastest of the four rows above, run again in the same job), and compared in
 samples per second: asynchronous 1F1B (policy none: an optimizer step per micro-batch and stage) and
@@ -297,15 +300,29 @@ def _cpu() -> str:
     return f"{name}, {os.cpu_count()} cores, {isa}"
 
 
+def paired_ratio(ours: list[float], theirs: list[float], resamples: int = 2000, seed: int = 0) -> tuple:
+    """The median over rounds of ours[r] / theirs[r] (each round times both runtimes back to back, so a change in
+    the machine's load hits both) and its 90 % bootstrap interval (percentiles of the median over ``resamples``
+    resamplings of the rounds, seeded): (median, low, high)."""
+    ratios = torch.tensor(ours, dtype=torch.float64) / torch.tensor(theirs, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(ratios), (resamples, len(ratios)), generator=g)
+    medians = ratios[picks].quantile(0.5, dim=1).sort().values
+    low, high = medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
+    return float(ratios.quantile(0.5)), float(low), float(high)
+
+
 def _row(model, setting, schedule, n, times, peer, peer_schedule=None) -> dict:
     ours = statistics.median(times["pipeoptim"])
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
+    paired, low, high = paired_ratio(times["pipeoptim"], times[peer])
     return {"model": model, "setting": setting, "schedule": schedule, "microbatches": n,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
-            "ratio": round(ours / theirs, 3), "samples_per_s": round(n / ours, 2),
+            "ratio": round(ours / theirs, 3), "paired_ratio": round(paired, 3),
+            "paired_ratio_90ci": "%.3f-%.3f" % (low, high), "samples_per_s": round(n / ours, 2),
             "peer_samples_per_s": round(n / theirs, 2)}
 
 
@@ -379,7 +396,8 @@ def main(argv=None) -> int:
 def _format(r: dict) -> str:
     return (f"{r['model']:5} {r['setting']:12} {r['schedule']:11} N={r['microbatches']:<3} pipeoptim "
             f"{r['pipeoptim_s'] * 1e3:8.2f} ms  {r['peer']:18} {r['peer_s'] * 1e3:8.2f} ms  "
-            f"ratio {r['ratio']:.3f}  samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}")
+            f"ratio {r['ratio']:.3f}  paired {r['paired_ratio']:.3f} ({r['paired_ratio_90ci']})  "
+            f"samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}")
 
 
 if __name__ == "__main__":

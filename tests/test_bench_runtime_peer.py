@@ -121,3 +121,21 @@ def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():
 def test_a_gpu_run_is_emulated_only():
     with pytest.raises(SystemExit):
         bench.main(["--device", "cuda", "--models", "tiny"])
+
+
+def test_the_paired_ratio_cancels_a_load_change_that_hits_both_runtimes():
+    theirs = [1.0, 2.0, 1.0, 3.0, 1.0, 2.0, 1.0]           # the machine's load changes from round to round
+    ours = [1.1 * t for t in theirs]                      # pipeoptim 10 % slower in every round
+    ratio, low, high = bench.paired_ratio(ours, theirs)
+    assert ratio == pytest.approx(1.1) and low == pytest.approx(1.1) and high == pytest.approx(1.1)
+    row = bench._row("tiny", "4 processes", "1f1b", 8, {"pipeoptim": ours, "torch": theirs}, "torch", "1f1b")
+    assert row["paired_ratio"] == 1.1 and row["paired_ratio_90ci"] == "1.100-1.100"
+
+
+def test_the_paired_ratios_interval_widens_with_noise_and_holds_the_median():
+    g = torch.Generator().manual_seed(3)
+    theirs = [1.0] * 41
+    ours = (1.0 + 0.2 * torch.randn(41, generator=g, dtype=torch.float64)).abs().tolist()
+    ratio, low, high = bench.paired_ratio(ours, theirs)
+    assert low < ratio < high and high - low > 0.02
+    assert ratio == pytest.approx(float(torch.tensor(ours).quantile(0.5)))
