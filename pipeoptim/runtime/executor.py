@@ -102,7 +102,7 @@ class Executor:
     def __init__(self, plan: Plan, worker: DeviceWorker, *, dp_rank: int = 0, dp_size: int = 1,
                  device: torch.device = torch.device("cpu"), groups: Groups | None = None, watch=None):
         self.plan, self.worker, self.me = plan, worker, worker.device
-        self.dp_rank, self.dp_size, self.tdevice = dp_rank, dp_size, device
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rank = dp_rank * plan.num_devices + self.me
         tied_sets = [t.devices for t in worker.ties if len(t.devices) > 1]
         self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets, device)

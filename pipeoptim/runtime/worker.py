@@ -226,7 +226,7 @@ class DeviceWorker:
             weight_pass(work)
         self.busy += time.perf_counter() - t0
 
-    def _output_grads(self, op, last: bool, outs: tuple, grads: tuple | None) -> tuple[list, list | None]:
+    def _output_grads(self, op, last: bool, outs: tuple, grads: tuple | None) -> tuple[list, list]:
         """The tensors a backward starts from and their gradients (on the last stage: the loss, from the loss scale)."""
         if last:
             tensors, grad_tensors = list(outs), [self._loss_seed(o) for o in outs]
