@@ -120,3 +120,29 @@ def test_a_loss_that_is_not_one_number_is_a_clear_error():
                     loss_fn=lambda y, t: (y - t) ** 2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     with pytest.raises(PipelineError, match=r"the loss has shape \(1, 4\), but a loss must be a single number"):
         pipe.train_step((torch.randn(2, 4), torch.randn(2, 4)))
+
+
+@pytest.mark.parametrize("values, finite", [
+    ([3e38, 3e38, 1.0], True),                     # finite, though their float32 sum overflows
+    ([-3e38, -3e38, 1.0], True),
+    ([1.0, float("inf"), 2.0], False),
+    ([1.0, float("nan"), 2.0], False),
+    ([float("inf"), float("-inf"), 2.0], False),   # their sum is NaN, never a finite number
+    ([1e-3, -2e-3, 5.0], True),
+])
+def test_grads_finite_decides_on_the_elements_not_on_a_float32_sum(values, finite):
+    """An asynchronous step skips a non-finite gradient (``grads_finite``): a float32 sum settles a finite
+    gradient in one pass, and only an overflowing sum is redone in float64, so a large finite gradient still
+    steps (regression: the float64 copy of every gradient cost a GPT stage as much as its AdamW step)."""
+    from pipeoptim.schedules.actions import Chunk
+    from pipeoptim.train import Pipeline
+    pipe = Pipeline(stages=lambda i: torch.nn.Linear(3, 3), devices=2, emulate=True, schedule="async-1f1b",
+                    microbatches=2, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    worker = pipe.workers[0]
+    chunk = Chunk(0, 0)
+    for g in worker.stages[chunk].policy.binding.groups:
+        g.master_grad.fill_(0.0)
+        g.master_grad[: len(values)] = torch.tensor(values)
+        g.master_grad[-1] = 7.0  # the rest of the buffer (weight then bias) stays finite
+    assert worker.grads_finite([chunk]) is finite
