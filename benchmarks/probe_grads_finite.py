@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         r = measure(model, args.repeats, args.warmup, args.width)
         print(f"{model} stage, {r.pop('parameters') / 1e6:.4f}M parameters:", flush=True)
         for name, us in r.items():
-            print(f"  {name:42} {us / 1e3:9.3f} ms")
+            print(f"  {name:42} {us:10.1f} us")
     return 0
 
 
