@@ -28,7 +28,11 @@ per stage on 4 stages, 1 on 8) and ``gpt`` (a byte-level GPT of ~25M parameters,
 micro-batches of 1 x 64 tokens; [embedding, 8 blocks, head] cut 3|2|2|3 on 4 stages and 2|1|1|1|1|1|1|2 on 8).
 Every schedule trains the same model from the same weights; only the cut differs.
 
-    python benchmarks/bench_runtime_peer.py [--models tiny gpt] [--rounds 15] [--csv PATH]
+    python benchmarks/bench_runtime_peer.py [--models tiny gpt] [--rounds 15] [--optimizer adamw-fused] [--csv PATH]
+
+``--optimizer adamw-fused`` makes both runtimes (and the one-process rows' plain and staged steps) step torch's
+``AdamW(fused=True)`` instead of its default (on the CPU, one loop per parameter): an asynchronous schedule
+steps after every micro-batch (async 1F1B) or every 4 (2BW), so what a step costs weighs on its rows most.
 
 Prints a table and writes a CSV (default: a fresh file under runs/bench_runtime_peer/) with the command line
 and the CPU in its header comment.
@@ -106,8 +110,12 @@ def _stage(model: str, i: int, stages: int = STAGES) -> nn.Module:
     return _tiny_stage(i, stages) if model == "tiny" else _gpt_stage(i, stages)
 
 
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4)
+def _adamw(params, fused: bool = False):
+    return torch.optim.AdamW(params, lr=1e-4, fused=fused)
+
+
+# --optimizer: what both runtimes step (torch's own single-tensor AdamW on the CPU by default, or its fused one)
+OPTIMIZERS = {"adamw": _adamw, "adamw-fused": lambda params: _adamw(params, fused=True)}
 
 
 def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | None = None):
@@ -186,14 +194,15 @@ def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
     return [sgd_step_check(model, schedule, n) for schedule in schedules]
 
 
-def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None) -> dict:
+def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None,
+             optimizer: str = "adamw") -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
-    ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone); returns the
-    slowest rank's times. When both run the same schedule, their weights must agree after the first round (same
-    weights, same batch)."""
+    ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone), both stepping
+    ``OPTIMIZERS[optimizer]``; returns the slowest rank's times. When both run the same schedule, their weights
+    must agree after the first round (same weights, same batch)."""
     import torch.distributed as dist
 
-    ours, torch_step, torch_params = _runtimes(model, schedule, n, peer=peer)
+    ours, torch_step, torch_params = _runtimes(model, schedule, n, OPTIMIZERS[optimizer], peer=peer)
     runners = {"pipeoptim": lambda b: ours.train_step(b)}
     if torch_step is not None:
         runners["torch"] = torch_step
@@ -217,12 +226,12 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
     return times
 
 
-def plain_runner(model: str, n: int, device: str = "cpu"):
+def plain_runner(model: str, n: int, device: str = "cpu", optimizer: str = "adamw"):
     """The plain unpipelined step: every micro-batch's forward and backward through the whole model, then AdamW.
     Returns (step, module)."""
     loss_fn = _loss(model)
     plain = nn.Sequential(*[_stage(model, i) for i in range(STAGES)]).to(device)
-    opt = _adamw(plain.parameters())
+    opt = OPTIMIZERS[optimizer](plain.parameters())
 
     def step(b):
         x, t = b
@@ -233,12 +242,12 @@ def plain_runner(model: str, n: int, device: str = "cpu"):
     return step, plain
 
 
-def staged_runner(model: str, n: int, device: str = "cpu"):
+def staged_runner(model: str, n: int, device: str = "cpu", optimizer: str = "adamw"):
     """The same stages run by hand, the graph cut at every boundary (4 backward calls per micro-batch instead of
     1), with no runtime: the floor of an emulated pipeline. Returns (step, list of stage modules)."""
     loss_fn = _loss(model)
     stages = [_stage(model, i).to(device) for i in range(STAGES)]
-    opts = [_adamw(st.parameters()) for st in stages]
+    opts = [OPTIMIZERS[optimizer](st.parameters()) for st in stages]
 
     def step(b):
         x, t = b
@@ -259,7 +268,7 @@ def staged_runner(model: str, n: int, device: str = "cpu"):
     return step, stages
 
 
-def emulated_job(model: str, n: int, rounds: int, warmup: int, device: str = "cpu") -> dict:
+def emulated_job(model: str, n: int, rounds: int, warmup: int, device: str = "cpu", optimizer: str = "adamw") -> dict:
     """One process: an emulated 1F1B Pipeline against the plain step of the same model (``plain_runner``) and
     against the same stages run by hand (``staged_runner``): plain -> staged is what cutting the graph costs,
     staged -> pipeoptim the runtime's own per-action work. On ``device`` (all stages on one GPU with 'cuda';
@@ -267,9 +276,10 @@ def emulated_job(model: str, n: int, rounds: int, warmup: int, device: str = "cp
     from pipeoptim.train import Pipeline
 
     ours = Pipeline(stages=lambda i: _stage(model, i).to(device), devices=STAGES, emulate=True, device=device,
-                    loss_fn=_loss(model), optimizer=_adamw, schedule="1f1b", policy="none", microbatches=n)
-    runners = {"pipeoptim": lambda b: ours.train_step(b), "plain": plain_runner(model, n, device)[0],
-               "staged": staged_runner(model, n, device)[0]}
+                    loss_fn=_loss(model), optimizer=OPTIMIZERS[optimizer], schedule="1f1b", policy="none",
+                    microbatches=n)
+    runners = {"pipeoptim": lambda b: ours.train_step(b), "plain": plain_runner(model, n, device, optimizer)[0],
+               "staged": staged_runner(model, n, device, optimizer)[0]}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in runners}
     for r in range(warmup + rounds):
@@ -312,12 +322,12 @@ def paired_ratio(ours: list[float], theirs: list[float], resamples: int = 2000, 
     return float(ratios.quantile(0.5)), float(low), float(high)
 
 
-def _row(model, setting, schedule, n, times, peer, peer_schedule=None) -> dict:
+def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer: str = "adamw") -> dict:
     ours = statistics.median(times["pipeoptim"])
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
     paired, low, high = paired_ratio(times["pipeoptim"], times[peer])
-    return {"model": model, "setting": setting, "schedule": schedule, "microbatches": n,
+    return {"model": model, "setting": setting, "schedule": schedule, "microbatches": n, "optimizer": optimizer,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
@@ -339,6 +349,9 @@ def main(argv=None) -> int:
                     help="only the one-process rows (what --device cuda runs: torch's runtime needs a GPU per rank)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="where the emulated rows run (cuda: every stage on the one GPU; needs --emulated-only)")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                    help="what both runtimes step: torch's AdamW (default) or AdamW(fused=True), one kernel per "
+                         "step (an asynchronous schedule steps after every micro-batch or every few)")
     ap.add_argument("--csv", default=None, help="output CSV (default: runs/bench_runtime_peer/<time>.csv)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
@@ -361,9 +374,10 @@ def main(argv=None) -> int:
                     print(f"{model} interleaved N={n}: skipped (pipeoptim's interleaved needs N a multiple of "
                           f"{STAGES})", flush=True)
                     continue
-                per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, timeout_s=3600)
+                per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, None,
+                                  args.optimizer, timeout_s=3600)
                 times = per_rank[0]
-                rows.append(_row(model, "4 processes", schedule, n, times, "torch", schedule))
+                rows.append(_row(model, "4 processes", schedule, n, times, "torch", schedule, args.optimizer))
                 torch_median = statistics.median(times["torch"])
                 if best is None or torch_median < best[1]:
                     best = (schedule, torch_median)
@@ -371,16 +385,17 @@ def main(argv=None) -> int:
             if not args.no_async:
                 for schedule in ASYNC:
                     per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, best[0],
-                                      timeout_s=3600)
-                    rows.append(_row(model, "4 processes", schedule, n, per_rank[0], "torch", best[0]))
+                                      args.optimizer, timeout_s=3600)
+                    rows.append(_row(model, "4 processes", schedule, n, per_rank[0], "torch", best[0],
+                                     args.optimizer))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
                           "side by side)", flush=True)
         if args.emulated or args.emulated_only:
-            times = emulated_job(model, 8, args.rounds, args.warmup, args.device)
+            times = emulated_job(model, 8, args.rounds, args.warmup, args.device, args.optimizer)
             setting = "emulated" if args.device == "cpu" else f"emulated, {args.device}"
-            rows.append(_row(model, setting, "1f1b", 8, times, "plain"))
+            rows.append(_row(model, setting, "1f1b", 8, times, "plain", optimizer=args.optimizer))
             print(_format(rows[-1]), flush=True)
-            rows.append(_row(model, setting, "1f1b", 8, times, "staged"))
+            rows.append(_row(model, setting, "1f1b", 8, times, "staged", optimizer=args.optimizer))
             print(_format(rows[-1]), flush=True)
     path = args.csv or os.path.join("runs", "bench_runtime_peer", time.strftime("%Y%m%d-%H%M%S") + ".csv")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -139,3 +139,15 @@ def test_the_paired_ratios_interval_widens_with_noise_and_holds_the_median():
     ratio, low, high = bench.paired_ratio(ours, theirs)
     assert low < ratio < high and high - low > 0.02
     assert ratio == pytest.approx(float(torch.tensor(ours).quantile(0.5)))
+
+
+def test_the_optimizer_choice_reaches_both_runtimes():
+    """--optimizer adamw-fused: torch's fused AdamW on both sides; their weights still agree after the first
+    step (rank_job raises otherwise) and both are timed."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert bench.OPTIMIZERS["adamw-fused"]([p]).defaults["fused"] is True
+    assert not bench.OPTIMIZERS["adamw"]([p]).defaults["fused"]
+    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "1f1b", 4, 1, 0, None, "adamw-fused", timeout_s=240)
+    assert all(set(t) == {"pipeoptim", "torch"} and all(len(v) == 1 for v in t.values()) for t in per_rank)
+    times = bench.emulated_job("tiny", 4, 1, 0, optimizer="adamw-fused")
+    assert set(times) == {"pipeoptim", "plain", "staged"}
