@@ -154,6 +154,8 @@ def run_rank(args) -> int:
         if tr.rank == 0 and (line := ct._newest_checkpoint(ckpt_root, str(e))):
             print(f"pipeoptim train: {line}", file=sys.stderr)
         return 1
-    if tr.rank != 0:  # rank 0 speaks for the job; every rank holds the same losses
+    if tr.rank != 0:  # rank 0 speaks for the job; every rank holds the same losses (and the same stop)
+        if result.get("preempted"):
+            return 128 + ct.signal.SIGTERM
         return ct.NONFINITE_EXIT if result.get("stopped") else 0
     return ct.report(result, cfg, args, t0)

@@ -17,7 +17,8 @@ A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
 or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
 drops such updates instead); a rank that dies or freezes ends the job with a message naming it
-(``--watchdog-s``); Ctrl-C or SIGTERM ends every rank; two runs need two run directories (a lock says so), and
+(``--watchdog-s``); SIGTERM (a scheduler's warning before it kills the job) stops every rank after the step it is
+in, with a checkpoint of it, and Ctrl-C ends every rank at once; two runs need two run directories (a lock says so), and
 a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted (``--overwrite``),
 never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
 answered as fast as ``--help``.
@@ -31,6 +32,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -520,46 +522,75 @@ def train_worker(cfg: dict) -> dict:
         val_batch = (val_batch[0], val_batch[0])
     t_run = time.perf_counter()
     stopped = None
-    for step in range(start, total_steps):
-        batch = mine(corpus.batch("train", dp * B, cfg["seq_len"], gen))  # one generator state on every rank
-        if hf:  # Hugging Face's loss takes the input ids as labels and shifts them itself
-            batch = (batch[0], batch[0])
-        t0 = time.perf_counter()
-        try:
-            loss = pipe.train_step(batch)
-        except NonFiniteError as e:  # raised on every rank at this same step
-            stopped = str(e)
-            loss = pipe.last_stats["loss"]
-        dt = time.perf_counter() - t0
-        st = pipe.last_stats
-        history.append({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / dt,
-                        "bubble": st["bubble"], "grad_norm": st["grad_norm"], "skipped": st.get("nonfinite", 0),
-                        "val_loss": None})
-        if stopped:
-            break
-        if step + 1 == total_steps or (cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0):
-            history[-1]["val_loss"] = pipe.eval_step(val_batch)
+    preempted = None  # the step after which every rank stopped on SIGTERM (a checkpoint of it is written below)
+    with _stop_on_sigterm(pipe):
+        for step in range(start, total_steps):
+            batch = mine(corpus.batch("train", dp * B, cfg["seq_len"], gen))  # one generator state on every rank
+            if hf:  # Hugging Face's loss takes the input ids as labels and shifts them itself
+                batch = (batch[0], batch[0])
+            t0 = time.perf_counter()
+            try:
+                loss = pipe.train_step(batch)
+            except NonFiniteError as e:  # raised on every rank at this same step
+                stopped = str(e)
+                loss = pipe.last_stats["loss"]
+            dt = time.perf_counter() - t0
+            st = pipe.last_stats
+            history.append({"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_step / dt,
+                            "bubble": st["bubble"], "grad_norm": st["grad_norm"], "skipped": st.get("nonfinite", 0),
+                            "val_loss": None})
+            if stopped:
+                break
+            if st.get("stop") and step + 1 < total_steps:  # agreed by every rank at this same step
+                preempted = step + 1
+                if bar is not None:
+                    bar.write(f"step {step + 1}: SIGTERM: stopping with a checkpoint of this step")
+                break
+            if step + 1 == total_steps or (cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0):
+                history[-1]["val_loss"] = pipe.eval_step(val_batch)
+            if bar is not None:
+                if not math.isfinite(loss) or st.get("nonfinite"):
+                    bar.write(f"step {step + 1}: NaN or inf (loss {loss:.4g}); {st.get('nonfinite', 0)} update(s) "
+                              "skipped (--on-nonfinite skip)")
+                bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}",
+                                 idle: f"{st['bubble'] * 100:.0f}%"})
+                bar.update(1)
+            if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < total_steps:
+                save()
         if bar is not None:
-            if not math.isfinite(loss) or st.get("nonfinite"):
-                bar.write(f"step {step + 1}: NaN or inf (loss {loss:.4g}); {st.get('nonfinite', 0)} update(s) "
-                          "skipped (--on-nonfinite skip)")
-            bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}",
-                             idle: f"{st['bubble'] * 100:.0f}%"})
-            bar.update(1)
-        if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < total_steps:
-            save()
-    if bar is not None:
-        bar.close()
-    elapsed = time.perf_counter() - t_run
-    val = float("nan")
-    if not stopped and history and history[-1].get("val_loss") is not None:
-        val = history[-1]["val_loss"]
-    # a resume with nothing left to do writes nothing (the checkpoint it came from is already this state)
-    directory = save() if start < total_steps else cfg["resume_from"]
-    if rank == 0:
-        _write_outputs(run_dir, history, cfg)
+            bar.close()
+        elapsed = time.perf_counter() - t_run
+        val = float("nan")
+        if not stopped and history and history[-1].get("val_loss") is not None:
+            val = history[-1]["val_loss"]
+        # a resume with nothing left to do writes nothing (the checkpoint it came from is already this state);
+        # still inside: a second SIGTERM (a scheduler's, after the agent's) must not end a rank mid-save
+        directory = save() if start < total_steps else cfg["resume_from"]
+        if rank == 0:
+            _write_outputs(run_dir, history, cfg)
     return {"history": history, "val_loss": val, "elapsed": elapsed, "rank": rank, "stopped": stopped,
-            "checkpoint": directory, "start": resumed}
+            "checkpoint": directory, "start": resumed, "preempted": preempted}
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm(pipe):
+    """While inside, SIGTERM asks the job to stop (``Pipeline.request_stop``) instead of ending this process:
+    every rank then stops after the same step and the run saves a checkpoint of it. A cluster's scheduler sends
+    SIGTERM some time before it kills a job; the launcher and torchrun's agent pass it on to every rank. Outside
+    (and off the main thread, where Python cannot take signals), SIGTERM keeps its previous meaning."""
+    import threading
+
+    from .runtime.launcher import sigterm_received
+    if sigterm_received():  # it came while the stages were being built (the launcher's workers record it)
+        pipe.request_stop()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: pipe.request_stop())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _OVERSUBSCRIBED = ("{here} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
@@ -821,7 +852,7 @@ def run(args) -> int:
                     result = train_worker(cfg)
                 else:
                     result = launch(train_worker, args.stages * args.dp, cfg, timeout_s=None, port=args.port,
-                                    watchdog_s=args.watchdog_s)[0]
+                                    watchdog_s=args.watchdog_s, forward_sigterm=True)[0]
             except (JobInterrupted, KeyboardInterrupt) as e:
                 signum = getattr(e, "signum", 2)
                 print(f"pipeoptim train: {e or 'interrupted'}", file=sys.stderr)
@@ -859,6 +890,11 @@ def report(result: dict, cfg: dict, args, t0: float) -> int:
               + (f"validation loss {result['val_loss']:.4f}; " if math.isfinite(result["val_loss"]) else "")
               + f"wall {time.perf_counter() - t0:.0f} s")
         print(f"run directory: {os.path.abspath(args.run_dir)} (checkpoint/, loss.png, history.json)")
+    if result.get("preempted"):
+        print(f"pipeoptim train: stopped by SIGTERM after step {result['preempted']} of {args.steps}: every rank "
+              f"stopped after that step, whose checkpoint is {result['checkpoint']}; continue with --resume",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     if result.get("stopped"):
         print(f"pipeoptim train: stopped at {result['stopped']}", file=sys.stderr)
         print(f"pipeoptim train: checkpoint of the last finite state: {result['checkpoint']}; after a fix, "

@@ -354,7 +354,8 @@ class Pipeline:
     def train_step(self, batch) -> float:
         """One iteration of the schedule on ``batch`` (split into micro-batches); returns the mean loss, the
         same on every rank (with ``dp``: over every replica's micro-batches, each replica passing its own
-        batch). ``last_stats`` also has the global gradient norm and the bubble fraction."""
+        batch). ``last_stats`` also has the global gradient norm, the bubble fraction and whether some rank asked
+        the job to stop (``stop``: ``request_stop``)."""
         mi, mt = self._split(batch)
         self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
         self.step_count += 1
@@ -362,6 +363,13 @@ class Pipeline:
         if skipped or not math.isfinite(loss):
             self._nonfinite(loss, skipped)
         return loss
+
+    def request_stop(self) -> None:
+        """Ask the whole job to stop: the next ``train_step`` (or ``eval_step``) carries the request in the
+        iteration's one reduction of scalars, and from then on ``last_stats["stop"]`` is True on every rank, at
+        the same step, whichever rank asked. Nothing stops by itself: the training loop reads the flag, saves
+        and returns. Safe to call from a signal handler (it sets a flag)."""
+        self._runner.stop_requested = True
 
     def _nonfinite(self, loss: float, skipped: int) -> None:
         """Every rank gets here at the same step: the loss and the count come from the same all-reduce."""

@@ -71,8 +71,8 @@ def test_sigkilled_rank0_ends_the_run_and_resume_continues(tmp_path):
     assert [h["step"] for h in history] == list(range(1, at + 3))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
+def test_sigint_to_the_launcher_ends_every_rank(tmp_path):
+    sig = signal.SIGINT
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
     fh.wait_for(_saved(run, 2), job)
     ranks = [fh.rank_pid(job, r) for r in range(2)]
@@ -85,6 +85,84 @@ def test_signal_to_the_launcher_ends_every_rank(tmp_path, sig):
     assert f"stopped by {sig.name}: every rank has ended" in text, text
     assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
     assert not any(os.path.exists(f"/proc/{p}") and fh._state(p) != "Z" for p in ranks)
+
+
+def _stopped_by_sigterm(tmp_path, job, run, *resume_args):
+    """After SIGTERM: exit 143 within the bound, every process gone, the message naming the step, a committed
+    checkpoint of exactly that step (the newest), history.json up to it; --resume continues from it."""
+    t0 = time.monotonic()
+    code = job.wait(BOUND_S + 30)
+    gone = time.monotonic() - t0 + job.ended_cleanly()
+    text = job.text()
+    assert code == 128 + signal.SIGTERM, text
+    m = re.search(r"stopped by SIGTERM after step (\d+) of 100000: every rank stopped after that step, whose "
+                  r"checkpoint is (\S+); continue with --resume", text)
+    assert m, text
+    at = int(m.group(1))
+    assert m.group(2) == str(run / "checkpoint" / f"step-{at:08d}"), text
+    assert "final loss" not in text, text
+    assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
+    newest = max(int(p.name.split("-")[1]) for p in (run / "checkpoint").iterdir() if (p / "manifest.json").exists())
+    assert newest == at >= 2
+    assert [h["step"] for h in json.load(open(run / "history.json"))["history"]] == list(range(1, at + 1))
+    code, text = _run(tmp_path, "--run-dir", str(run), "--resume", "--steps", str(at + 2), "--no-progress",
+                      *resume_args)
+    assert code == 0, text
+    assert f"resuming from {run}/checkpoint/step-{at:08d} (step {at} of {at + 2})" in text, text
+    assert [h["step"] for h in json.load(open(run / "history.json"))["history"]] == list(range(1, at + 3))
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_with_a_checkpoint(tmp_path):
+    """A scheduler's SIGTERM (before it kills the job): the launcher passes it on, the ranks agree on the step
+    in the iteration's scalars, stop after it and save it, so nothing trained is lost."""
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "3", "--no-progress")
+    fh.wait_for(_saved(run, 3), job)
+    ranks = [fh.rank_pid(job, r) for r in range(2)]
+    os.kill(job.proc.pid, signal.SIGTERM)
+    _stopped_by_sigterm(tmp_path, job, run, "--emulate")
+    assert not any(os.path.exists(f"/proc/{p}") and fh._state(p) != "Z" for p in ranks)
+
+
+def test_sigterm_to_the_whole_process_group_stops_every_rank_once(tmp_path):
+    """``kill -TERM -<pgid>``, as some schedulers do: the launcher and every rank get it at once; the ranks still
+    stop after the same step."""
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "3", "--no-progress")
+    fh.wait_for(_saved(run, 3), job)
+    for pid in [job.proc.pid] + [fh.rank_pid(job, r) for r in range(2)]:
+        os.kill(pid, signal.SIGTERM)
+    _stopped_by_sigterm(tmp_path, job, run, "--emulate")
+
+
+def test_sigterm_to_torchruns_agent_stops_every_rank_after_one_step_with_a_checkpoint(tmp_path):
+    """torchrun's agent passes SIGTERM on to its workers (and ends with its own traceback and status, which are
+    torchrun's); the ranks stop after the same step and rank 0 says so, with the checkpoint of that step."""
+    import sys
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pipeoptim.cli", "train", *SMALL, "--run-dir", str(run), "--steps", "100000", "--save-every", "3",
+           "--no-progress"]
+    job = fh.Job(cmd, str(tmp_path))
+    fh.wait_for(_saved(run, 3), job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait(BOUND_S + 30)
+    job.ended_cleanly()
+    text = job.text()
+    m = re.search(r"stopped by SIGTERM after step (\d+) of 100000: every rank stopped after that step, whose "
+                  r"checkpoint is (\S+); continue with --resume", text)
+    assert m, text
+    at = int(m.group(1))
+    assert m.group(2) == str(run / "checkpoint" / f"step-{at:08d}"), text
+    assert (run / "checkpoint" / f"step-{at:08d}" / "manifest.json").exists()
+    code, text = _run(tmp_path, "--run-dir", str(run), "--resume", "--steps", str(at + 1), "--no-progress",
+                      "--emulate")
+    assert code == 0 and f"resuming from {run}/checkpoint/step-{at:08d}" in text, text
+
+
+def test_sigterm_to_an_emulated_run_stops_it_with_a_checkpoint(tmp_path):
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "3", "--no-progress", "--emulate")
+    fh.wait_for(_saved(run, 3), job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    _stopped_by_sigterm(tmp_path, job, run, "--emulate")
 
 
 def test_sigkilled_launcher_takes_its_ranks_along(tmp_path):

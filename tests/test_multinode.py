@@ -208,3 +208,32 @@ def test_pipeoptim_train_on_two_nodes_has_the_losses_of_one_four_process_run(tmp
     final = re.findall(r"final loss: (\S+)", one.text())
     assert final and re.findall(r"final loss: (\S+)", nodes.text()) == final, nodes.text()  # rank 0 only
     assert os.path.isdir(tmp_path / "two" / "checkpoint"), nodes.text()
+
+
+def test_sigterm_to_one_nodes_agent_stops_both_nodes_after_one_step_with_a_checkpoint(tmp_path):
+    """A scheduler's SIGTERM to one node: its agent passes it on to its workers, which carry the request in the
+    iteration's scalars to the other node's ranks; every rank stops after the same step and the checkpoint of
+    that step is written (torchrun's agents then end with their own status)."""
+    run = tmp_path / "run"
+    flags = [f for i, f in enumerate(TINY_TRAIN) if f not in ("--steps", "--save-every")
+             and TINY_TRAIN[i - 1] not in ("--steps", "--save-every")]
+    nodes = TwoNodes(tmp_path, ["-m", "pipeoptim.cli", "train", *flags, "--steps", "100000", "--save-every", "3",
+                                "--run-dir", str(run)])
+    try:
+        def saved():
+            root = run / "checkpoint"
+            return root.is_dir() and any((d / "manifest.json").exists() for d in root.iterdir())
+        saved.description = f"a committed checkpoint in {run / 'checkpoint'}"
+        fh.wait_for(saved, nodes.jobs[0], timeout=START_S)
+        os.kill(nodes.jobs[1].proc.pid, signal.SIGTERM)
+        nodes.wait()
+        text = nodes.text()
+    finally:
+        for job in nodes.jobs:
+            job.kill_all()
+    m = re.search(r"stopped by SIGTERM after step (\d+) of 100000: every rank stopped after that step, whose "
+                  r"checkpoint is (\S+); continue with --resume", text)
+    assert m, text
+    at = int(m.group(1))
+    assert (run / "checkpoint" / f"step-{at:08d}" / "manifest.json").exists(), text
+    assert [h["step"] for h in json.load(open(run / "history.json"))["history"]] == list(range(1, at + 1))

@@ -112,17 +112,17 @@ def test_distributed_executor_equals_emulator_for_every_schedule_and_policy(one_
 
 
 def test_an_iteration_reduces_its_scalars_once_and_every_rank_reports_the_same(one_thread):
-    """Loss, global norm, times and skipped updates travel in one reduction per iteration (issue 23), synchronous
-    (at the first Step) and asynchronous (at the end), with data parallelism too; on gloo that reduction is no
-    all-reduce (``scalars``); the loss and norm are the emulator's."""
+    """Loss, global norm, times, skipped updates and stop requests travel in one reduction per iteration (issue 23),
+    synchronous (at the first Step) and asynchronous (at the end), with data parallelism too; on gloo that reduction
+    is no all-reduce (``scalars``); the loss and norm are the emulator's."""
     cases = [("1f1b", None, 4, 4, 1, {}), ("async-1f1b", "pipeoptim", 4, 4, 1, {}), ("1f1b", None, 2, 2, 2, {})]
     results = launch(rc.count_reductions, 4, cases, timeout_s=200)
     for i, case in enumerate(cases):
         emu = rc.train(rc.make_pipeline(case, emulate=True))
         for r in results:
             for step, (sizes, sums) in enumerate(zip(r[i]["sizes"], r[i]["scalar_sums"])):
-                assert sums == [6], (case, step, sums)  # [squared norm, loss sum, losses, busy, wall, skipped]
-                assert 6 not in sizes, (case, step, sizes)
+                assert sums == [7], (case, step, sums)  # [squared norm, loss sum, losses, busy, wall, skipped, stop]
+                assert 7 not in sizes, (case, step, sizes)
                 if case[4] == 1:  # without data parallelism nothing is all-reduced in these schedules
                     assert sizes == [], (case, step, sizes)
             got = r[i]["stats"]
@@ -240,3 +240,18 @@ def test_distributed_resume_with_policy_state_equals_uninterrupted(tmp_path, one
         straight.train_step(rc.batch(i))
     for k, v in straight.named_parameters().items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("case", [rc.SYNC_CASES[1], rc.ASYNC_CASES[3]], ids=["1f1b", "async-1f1b+pipeoptim"])
+def test_a_stop_asked_on_one_rank_reaches_every_rank_at_the_same_step(case):
+    """``request_stop`` (what ``pipeoptim train`` calls on SIGTERM) travels in the iteration's scalars: every
+    rank's ``last_stats["stop"]`` turns True at the very step after the request, whichever rank asked."""
+    for asker in (0, 3):
+        per_rank = launch(rc.stop_flags, 4, case, asker, timeout_s=200)
+        assert per_rank == [[False, True, True]] * 4, (asker, per_rank)
+    pipe = rc.make_pipeline(case, emulate=True)
+    pipe.train_step(rc.batch(0))
+    assert pipe.last_stats["stop"] is False
+    pipe.request_stop()
+    pipe.train_step(rc.batch(1))
+    assert pipe.last_stats["stop"] is True

@@ -30,6 +30,7 @@ class Emulator:
         if len(workers) != plan.num_devices:
             raise ValueError(f"the emulator needs one worker per device ({plan.num_devices}), got {len(workers)}")
         self.plan, self.workers = plan, workers
+        self.stop_requested = False  # ``Pipeline.request_stop``: reported as ``stats["stop"]``
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         D = plan.num_devices
@@ -120,7 +121,7 @@ class Emulator:
         losses = torch.stack([v for w in self.workers for v in w.losses.values()]).double().tolist()  # one copy
         return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
-                "nonfinite": sum(len(w.nonfinite) for w in self.workers)}
+                "nonfinite": sum(len(w.nonfinite) for w in self.workers), "stop": self.stop_requested}
 
     def _sum_ties(self) -> None:
         """Tied parameters: every copy's gradient becomes the sum over the copies (devices in order)."""

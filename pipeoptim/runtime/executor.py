@@ -109,6 +109,9 @@ class Executor:
         self.watch = watch
         self._doing = watch.doing if watch is not None else (lambda what, peer=None: None)
         self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device, wait=self._wait)
+        # set by ``Pipeline.request_stop`` (a signal handler): sent with the next iteration's scalars, so every
+        # rank learns at the same iteration that some rank asked the job to stop (``stats["stop"]``)
+        self.stop_requested = False
 
     def _wait(self, work, what: str, peer: int) -> None:
         self._doing(f"waiting for {what}", peer)
@@ -126,7 +129,7 @@ class Executor:
         w.begin(inputs, targets, train=train, plan=plan)
         t0 = time.perf_counter()
         grad_norm = float("nan")
-        totals = None  # summed over the ranks: [loss sum, losses, busy, wall, skipped updates]
+        totals = None  # summed over the ranks: [loss sum, losses, busy, wall, skipped updates, stop requests]
         norm_reduced = False
         action = None
         self._dp_done: set[int] = set()
@@ -208,24 +211,25 @@ class Executor:
                 self.watch.idle()
         if self.watch is not None:
             self.watch.measured(time.perf_counter() - t0)
-        loss_sum, count, busy, wall, skipped = totals
+        loss_sum, count, busy, wall, skipped, stops = totals
         if norm_reduced and not math.isfinite(grad_norm):
             skipped = plan.num_steps  # every Step of the pipeline was skipped, on every rank
         D = plan.num_devices * self.dp_size
         return {"loss": loss_sum / count, "grad_norm": grad_norm, "busy": busy / D, "wall": wall / D,
                 "bubble": 1.0 - busy / max(wall, 1e-12),
-                "nonfinite": round(skipped / (1 if synchronous else self.dp_size))}  # replicas skip the same
+                "nonfinite": round(skipped / (1 if synchronous else self.dp_size)),  # replicas skip the same
+                "stop": stops > 0}
 
     def _reduce_scalars(self, plan: Plan, t0: float, *, with_norm: bool) -> tuple[float, list[float]]:
         """Sum, in one reduction over every rank of every data-parallel copy (``scalars.RankSum``: the same total
         on every rank), this rank's share of the squared global gradient norm (``with_norm``; replica 0's ranks
         only: the replicas' averaged gradients are the same), its losses' sum and count, its busy and wall time
-        so far and its skipped updates. Returns (squared norm, the other sums)."""
+        so far, its skipped updates and whether it was asked to stop. Returns (squared norm, the other sums)."""
         w = self.worker
         sq = float(w.sq_norm()) if with_norm and self.dp_rank == 0 else 0.0
         loss_sum = sum(torch.stack(list(w.losses.values())).double().tolist()) if w.losses else 0.0  # one copy
         values = self.groups.scalars([sq, loss_sum, len(w.losses), w.busy, time.perf_counter() - t0,
-                                      len(w.nonfinite)])  # (Groups checked that the world is every replica's)
+                                      len(w.nonfinite), float(self.stop_requested)])  # (Groups checked: every rank)
         return values[0], values[1:]
 
     def _sum_ties(self) -> None:

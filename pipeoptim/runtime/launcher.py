@@ -22,6 +22,11 @@ returning anything else (an object of its own class, a numpy array) fails with a
 - Once the job has failed, workers get ``grace_s`` to end on their own; any left (a stopped process cannot)
   are killed. SIGINT or SIGTERM to this process publishes the stop, ends every worker the same way and
   raises ``JobInterrupted``. ``timeout_s`` bounds the whole run.
+- ``forward_sigterm=True`` (``pipeoptim train``): the first SIGTERM is passed on to every worker instead, and
+  the job runs on; a worker that takes SIGTERM (from this process or straight from a scheduler that signals
+  the whole process group) only records it (``sigterm_received``) for ``fn`` to act on: the training loop
+  then stops every rank after the same step, with a checkpoint. A second SIGTERM, or SIGINT, ends the job as
+  above.
 """
 from __future__ import annotations
 
@@ -42,9 +47,20 @@ import torch.multiprocessing as mp
 from . import faults, rendezvous
 from .plan import PipelineError
 
-__all__ = ["launch", "host_store", "JobInterrupted", "POLL_S"]
+__all__ = ["launch", "host_store", "JobInterrupted", "POLL_S", "sigterm_received"]
 
 POLL_S = 0.05
+_sigterm = False  # a worker of a forward_sigterm job: SIGTERM arrived (maybe before fn could handle it itself)
+
+
+def sigterm_received() -> bool:
+    """In a worker started with ``forward_sigterm=True``: whether SIGTERM has arrived since it started."""
+    return _sigterm
+
+
+def _record_sigterm(signum, frame) -> None:
+    global _sigterm
+    _sigterm = True
 
 
 class JobInterrupted(PipelineError):
@@ -109,7 +125,7 @@ def _refused(e: pickle.UnpicklingError) -> str:
 
 
 def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent: int, watchdog_s, fn,
-           args) -> None:
+           args, forward_sigterm: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
                       TORCHELASTIC_RESTART_COUNT="0", PIPEOPTIM_LAUNCHED="1")
@@ -117,6 +133,8 @@ def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent
         os.environ["PIPEOPTIM_WATCHDOG_S"] = str(watchdog_s)
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if forward_sigterm:
+        signal.signal(signal.SIGTERM, _record_sigterm)
     # the platform's default start method again (spawn set this process's): a rank behaves like one started
     # by torchrun, and its locks (tqdm's) are unnamed under fork, so a killed rank leaves none in /dev/shm
     multiprocessing.set_start_method(None, force=True)
@@ -143,13 +161,13 @@ def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent
 
 class _Job:
     def __init__(self, fn, nprocs: int, args, threads: int, port: int | None, watchdog_s: float | None,
-                 workdir: str):
+                 workdir: str, forward_sigterm: bool = False):
         self.nprocs, self.workdir = nprocs, workdir
         self.store = host_store(port, nprocs)
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=_child, name=f"pipeoptim-r{r}", daemon=False,
                                   args=(r, nprocs, self.store.port, workdir, threads, os.getpid(), watchdog_s, fn,
-                                        args))
+                                        args, forward_sigterm))
                       for r in range(nprocs)]
         self.signalled: set[int] = set()  # ranks this process killed (their signal is not news)
         self.cause: str | None = None     # a death the workers cannot report themselves
@@ -240,21 +258,32 @@ class _Job:
 
 
 def launch(fn, nprocs: int, *args, timeout_s: float | None = None, grace_s: float = 3.0, threads: int = 1,
-           port: int | None = None, watchdog_s: float | None = None) -> list:
+           port: int | None = None, watchdog_s: float | None = None, forward_sigterm: bool = False) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local processes; returns each rank's result (tensors, numbers, strings,
     bytes, None and containers of them: read back with ``torch.load(weights_only=True)``), or raises
     ``PipelineError`` naming the rank that failed (and how), ``JobInterrupted`` on SIGINT/SIGTERM, or
-    ``ConfigError`` when ``port`` is taken. ``watchdog_s``: the ranks' stall timeout (``watchdog``)."""
+    ``ConfigError`` when ``port`` is taken. ``watchdog_s``: the ranks' stall timeout (``watchdog``).
+    ``forward_sigterm``: the first SIGTERM goes on to the workers, which decide how to stop (module docstring)."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if watchdog_s is not None and not watchdog_s > 0:
         raise ValueError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
     with tempfile.TemporaryDirectory(prefix="pipeoptim-launch-") as workdir:
-        job = _Job(fn, nprocs, args, threads, port, watchdog_s, workdir)
+        job = _Job(fn, nprocs, args, threads, port, watchdog_s, workdir, forward_sigterm)
         previous = {}
         received: list[int] = []
+        forwarded: list[int] = []
 
         def interrupt(signum, frame):
+            if signum == signal.SIGTERM and forward_sigterm and not forwarded and not received:
+                forwarded.append(signum)
+                for p in job.procs:
+                    if p.pid is not None and p.exitcode is None:
+                        try:
+                            os.kill(p.pid, signal.SIGTERM)
+                        except ProcessLookupError:  # it ended between the look and the signal
+                            pass
+                return
             if not received:  # a second Ctrl-C while the workers are being ended changes nothing
                 received.append(signum)
                 raise _Interrupt(signum)

@@ -1,12 +1,12 @@
 """Summing a few numbers over every rank of a job, with the same total, bit for bit, on every rank.
 
 Each iteration ends with a handful of scalars every rank must agree on (``Executor._reduce_scalars``: the squared
-gradient norm, the losses, the times, the skipped updates). On NCCL that is one all-reduce of a tensor on the
-rank's GPU. On gloo an all-reduce runs on the process group's worker thread as a ring of 2 (P - 1) hops, and
-with more processes than cores each hop waits for a process to be scheduled: 3.8 ms median on 4 processes
+gradient norm, the losses, the times, the skipped updates, the requests to stop). On NCCL that is one all-reduce of
+a tensor on the rank's GPU. On gloo an all-reduce runs on the process group's worker thread as a ring of 2 (P - 1)
+hops, and with more processes than cores each hop waits for a process to be scheduled: 3.8 ms median on 4 processes
 sharing a 2-core Xeon, a tenth of the tiny model's pipelined step in ``bench_runtime_peer.py``. Gloo's
-point-to-point messages are sent from the calling thread, so there rank 0 gathers the numbers (one message
-from each rank), adds them in rank order and sends the total back: two hops, 0.57 ms on the same processes
+point-to-point messages are sent from the calling thread, so there rank 0 gathers the numbers (one message from each
+rank), adds them in rank order and sends the total back: two hops, 0.57 ms on the same processes
 (``benchmarks/probe_scalar_allreduce.py`` measures both; ``benchmarks/results/probe_scalar_allreduce_cpu.txt``).
 The messages travel in a process group of their own, so they never meet the pipeline's receives posted ahead
 on the default group. Above ``STAR_MAX_RANKS`` ranks gloo's all-reduce is used again: rank 0 handles 2 (P - 1)
