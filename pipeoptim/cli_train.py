@@ -17,10 +17,10 @@ A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-
 committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
 or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
 drops such updates instead); a rank that dies or freezes ends the job with a message naming it
-(``--watchdog-s``); SIGTERM (a scheduler's warning before it kills the job) stops every rank after the step it is
-in, with a checkpoint of it, and Ctrl-C ends every rank at once; two runs need two run directories (a lock says so), and
-a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted (``--overwrite``),
-never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
+(``--watchdog-s``); SIGTERM (a scheduler's warning before it kills the job) stops every rank after the step it
+is in, with a checkpoint of it, and Ctrl-C ends every rank at once; two runs need two run directories (a lock
+says so), and a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted
+(``--overwrite``), never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
 answered as fast as ``--help``.
 Exit status: 0 done, 1 failed, 2 invalid configuration, 3 stopped on a non-finite value, 128+N stopped by
 signal N.
