@@ -20,8 +20,8 @@ drops such updates instead); a rank that dies or freezes ends the job with a mes
 (``--watchdog-s``); SIGTERM (a scheduler's warning before it kills the job) stops every rank after the step it
 is in, with a checkpoint of it, and Ctrl-C ends every rank at once; two runs need two run directories (a lock
 says so), and a run directory holding an earlier run's checkpoints is continued (``--resume``) or deleted
-(``--overwrite``), never silently overwritten. Every configuration check runs before torch is imported, so a wrong flag is
-answered as fast as ``--help``.
+(``--overwrite``), never silently overwritten. Every configuration check runs before torch is imported, so a
+wrong flag is answered as fast as ``--help``.
 Exit status: 0 done, 1 failed, 2 invalid configuration, 3 stopped on a non-finite value, 128+N stopped by
 signal N.
 """
