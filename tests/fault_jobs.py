@@ -146,6 +146,21 @@ def crash_in_checkpoint_job(root: str, crash_rank: int, where: str) -> None:
 
 
 # ---- NaN in the data of one step ---------------------------------------------------------------------------
+def wait_for_sigterm(marker: str, timeout_s: float = 60.0) -> str:
+    """Rank side of a ``launch(..., forward_sigterm=True)`` job: say it runs (``marker.<rank>``), then wait for
+    the SIGTERM the launcher passes on; returns what it saw."""
+    import time
+
+    from pipeoptim.runtime.launcher import sigterm_received
+    open(f"{marker}.{os.environ['RANK']}", "w").close()
+    t0 = time.monotonic()
+    while not sigterm_received():
+        if time.monotonic() - t0 > timeout_s:
+            return "no SIGTERM"
+        time.sleep(0.01)
+    return "SIGTERM recorded"
+
+
 def nan_batch(step: int, poisoned: int):
     x, y = batch(step)
     if step == poisoned:

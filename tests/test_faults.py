@@ -158,3 +158,36 @@ def test_a_rank_frozen_at_start_up_is_named_within_the_bound(tmp_path):
         assert "killed by the launcher" in text, text  # the stopped rank could not end on its own
         assert gone < bound, f"{where}: {gone:.1f} s to a clean end"
         assert not fh.shm_left(job.shm_before)
+
+
+def _sigterm_once_running(marker: str, ranks: int):
+    """A thread that sends this process SIGTERM once every rank of a ``fj.wait_for_sigterm`` job runs."""
+    import threading
+
+    def send():
+        while not all(os.path.exists(f"{marker}.{r}") for r in range(ranks)):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_the_launcher_passes_the_first_sigterm_on_when_asked_and_the_job_ends_normally(tmp_path):
+    """``launch(..., forward_sigterm=True)`` (what ``pipeoptim train`` uses): the first SIGTERM to the launcher
+    reaches every worker as a recorded request, the job runs on and returns each rank's result."""
+    marker = str(tmp_path / "running")
+    sender = _sigterm_once_running(marker, 2)
+    results = launch(fj.wait_for_sigterm, 2, marker, timeout_s=120, forward_sigterm=True)
+    sender.join(5)
+    assert results == ["SIGTERM recorded", "SIGTERM recorded"]
+
+
+def test_without_forwarding_sigterm_to_the_launcher_ends_every_rank(tmp_path):
+    from pipeoptim.runtime.launcher import JobInterrupted
+    marker = str(tmp_path / "running")
+    sender = _sigterm_once_running(marker, 2)
+    with pytest.raises(JobInterrupted, match="stopped by SIGTERM: every rank has ended") as e:
+        launch(fj.wait_for_sigterm, 2, marker, timeout_s=120)
+    sender.join(5)
+    assert e.value.signum == signal.SIGTERM
