@@ -12,7 +12,9 @@ step by step (so a change in the machine's load hits both); a step's time is the
 barrier first); the median over the timed rounds is reported, with the ratio of the medians and the median of
 the per-round ratios (each round times both runtimes back to back) with its 90 % bootstrap interval: on 4
 processes sharing 2 cores a step's time varies by 2x from round to round, and the interval says which rows
-differ from 1.0 beyond that noise. Asynchronous
+differ from 1.0 beyond that noise. The 4-process rows also report the step's CPU time, every thread of every rank
+summed (``cpu_s``, ``cpu_paired_ratio``): what each runtime costs the machine, which moves much less with the
+scheduler than the wall time does. Asynchronous
 schedules (no flush inside a step) are timed the same way, side by side with torch's fastest synchronous
 schedule on that model and N (the fastest of the four rows above, run again in the same job), and compared in
 samples per second: asynchronous 1F1B (policy none: an optimizer step per micro-batch and stage) and
@@ -198,25 +200,30 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
              optimizer: str = "adamw") -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
     ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone), both stepping
-    ``OPTIMIZERS[optimizer]``; returns the slowest rank's times. When both run the same schedule, their weights
-    must agree after the first round (same weights, same batch)."""
+    ``OPTIMIZERS[optimizer]``; returns the slowest rank's times per runtime (``name``) and the CPU time of every
+    thread of every rank, summed (``"<name> cpu"``): on processes that share cores a step's wall time depends on
+    the scheduler, its CPU time much less. When both run the same schedule, their weights must agree after the
+    first round (same weights, same batch)."""
     import torch.distributed as dist
 
     ours, torch_step, torch_params = _runtimes(model, schedule, n, OPTIMIZERS[optimizer], peer=peer)
     runners = {"pipeoptim": lambda b: ours.train_step(b)}
     if torch_step is not None:
         runners["torch"] = torch_step
-    times: dict[str, list[float]] = {k: [] for k in runners}
+    times: dict[str, list[float]] = {k: [] for name in runners for k in (name, f"{name} cpu")}
     for r in range(warmup + rounds):
         batch = _batch(model, n, r)
         for name, run in runners.items():
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(batch)
             took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            dist.all_reduce(cpu)
             if r >= warmup:
                 times[name].append(float(took))
+                times[f"{name} cpu"].append(float(cpu))
         if r == 0 and torch_step is not None and schedule in SYNC:
             gap, where = weight_gap(ours, torch_params)
             if gap > 0:
@@ -327,13 +334,19 @@ def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
     paired, low, high = paired_ratio(times["pipeoptim"], times[peer])
+    cpu = {"cpu_s": "", "peer_cpu_s": "", "cpu_paired_ratio": "", "cpu_paired_ratio_90ci": ""}
+    if "pipeoptim cpu" in times and f"{peer} cpu" in times:  # the 4-process rows: CPU summed over the ranks
+        ours_cpu, theirs_cpu = times["pipeoptim cpu"], times[f"{peer} cpu"]
+        c_paired, c_low, c_high = paired_ratio(ours_cpu, theirs_cpu)
+        cpu = {"cpu_s": round(statistics.median(ours_cpu), 5), "peer_cpu_s": round(statistics.median(theirs_cpu), 5),
+               "cpu_paired_ratio": round(c_paired, 3), "cpu_paired_ratio_90ci": "%.3f-%.3f" % (c_low, c_high)}
     return {"model": model, "setting": setting, "schedule": schedule, "microbatches": n, "optimizer": optimizer,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
             "ratio": round(ours / theirs, 3), "paired_ratio": round(paired, 3),
             "paired_ratio_90ci": "%.3f-%.3f" % (low, high), "samples_per_s": round(n / ours, 2),
-            "peer_samples_per_s": round(n / theirs, 2)}
+            "peer_samples_per_s": round(n / theirs, 2), **cpu}
 
 
 def main(argv=None) -> int:
@@ -412,7 +425,8 @@ def _format(r: dict) -> str:
     return (f"{r['model']:5} {r['setting']:12} {r['schedule']:11} N={r['microbatches']:<3} pipeoptim "
             f"{r['pipeoptim_s'] * 1e3:8.2f} ms  {r['peer']:18} {r['peer_s'] * 1e3:8.2f} ms  "
             f"ratio {r['ratio']:.3f}  paired {r['paired_ratio']:.3f} ({r['paired_ratio_90ci']})  "
-            f"samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}")
+            f"samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}"
+            + (f"  CPU paired {r['cpu_paired_ratio']:.3f} ({r['cpu_paired_ratio_90ci']})" if r["cpu_s"] != "" else ""))
 
 
 if __name__ == "__main__":

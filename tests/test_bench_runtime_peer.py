@@ -19,9 +19,9 @@ def test_both_runtimes_time_the_same_number_of_rounds_on_every_rank():
     per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "1f1b", 4, 2, 1, timeout_s=240)
     assert len(per_rank) == bench.STAGES
     for times in per_rank:
-        assert set(times) == {"pipeoptim", "torch"}
+        assert set(times) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"}
         assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
-    # the slowest rank's time is all-reduced: every rank reports the same numbers
+    # the slowest rank's time and the ranks' summed CPU time are all-reduced: every rank reports the same numbers
     assert all(t == per_rank[0] for t in per_rank[1:])
 
 
@@ -30,6 +30,18 @@ def test_the_ratio_is_the_ratio_of_the_printed_medians():
                      "torch", "1f1b")
     assert row["pipeoptim_s"] == 2.0 and row["peer_s"] == 5.0 and row["ratio"] == pytest.approx(0.4)
     assert row["samples_per_s"] == 4.0 and row["pipeoptim_min_max"] == "1.00000-3.00000"
+    assert row["cpu_s"] == row["cpu_paired_ratio"] == ""  # no CPU times given (the one-process rows)
+
+
+def test_the_cpu_columns_are_the_medians_of_the_summed_cpu_times():
+    times = {"pipeoptim": [1.0, 1.0, 1.0], "torch": [1.0, 1.0, 1.0],
+             "pipeoptim cpu": [2.0, 6.0, 3.0], "torch cpu": [4.0, 4.0, 4.0]}
+    row = bench._row("tiny", "4 processes", "1f1b", 8, times, "torch", "1f1b")
+    assert row["cpu_s"] == 3.0 and row["peer_cpu_s"] == 4.0
+    assert row["cpu_paired_ratio"] == 0.75  # the per-round ratios 0.5, 1.5, 0.75
+    low, high = (float(x) for x in row["cpu_paired_ratio_90ci"].split("-"))
+    assert 0.5 <= low <= 0.75 <= high <= 1.5
+    assert "CPU paired 0.750" in bench._format(row)
 
 
 def test_same_initial_weights_in_both_runtimes():
@@ -108,14 +120,15 @@ def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
 def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
     per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, timeout_s=240)
     assert bench.ASYNC == {"async-1f1b": "none", "2bw": "2bw"}
-    assert all(set(t) == {"pipeoptim"} and len(t["pipeoptim"]) == 1 for t in per_rank)
+    assert all(set(t) == {"pipeoptim", "pipeoptim cpu"} and len(t["pipeoptim"]) == 1 for t in per_rank)
 
 
 def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():
     """Its peer may cut the model differently (interleaved: 8 stages for pipeoptim's 4)."""
     for peer in ("gpipe", "interleaved"):
         per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 0, peer, timeout_s=240)
-        assert all(set(t) == {"pipeoptim", "torch"} and all(len(v) == 2 for v in t.values()) for t in per_rank)
+        assert all(set(t) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"} and
+                   all(len(v) == 2 for v in t.values()) for t in per_rank)
 
 
 def test_a_gpu_run_is_emulated_only():
@@ -148,6 +161,7 @@ def test_the_optimizer_choice_reaches_both_runtimes():
     assert bench.OPTIMIZERS["adamw-fused"]([p]).defaults["fused"] is True
     assert not bench.OPTIMIZERS["adamw"]([p]).defaults["fused"]
     per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "1f1b", 4, 1, 0, None, "adamw-fused", timeout_s=240)
-    assert all(set(t) == {"pipeoptim", "torch"} and all(len(v) == 1 for v in t.values()) for t in per_rank)
+    assert all(set(t) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"} and
+               all(len(v) == 1 for v in t.values()) for t in per_rank)
     times = bench.emulated_job("tiny", 4, 1, 0, optimizer="adamw-fused")
     assert set(times) == {"pipeoptim", "plain", "staged"}
