@@ -49,18 +49,20 @@ def sum_of_squares(tensors) -> torch.Tensor:
     some element is, never because a finite gradient is large (float32 squares overflow above ~1.8e19).
     """
     flats = [t.detach().reshape(-1) for t in tensors]
-    device = flats[0].device if flats else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)  # summed where the buffers are: one copy back
+    total = None  # summed where the buffers are: one copy back
     for flat in flats:
         if flat.numel() <= _SMALL:
-            total += torch.linalg.vector_norm(flat, dtype=torch.float64).square()
-            continue
-        whole = flat.numel() // _ROW * _ROW
-        rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
-        rest = torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)
-        total += torch.cat([rows, rest]).double().pow(2).sum()
+            part = torch.linalg.vector_norm(flat, dtype=torch.float64).square()
+        else:
+            whole = flat.numel() // _ROW * _ROW
+            rows = torch.linalg.vector_norm(flat[:whole].view(-1, _ROW), dim=1, dtype=torch.float32)
+            rest = torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).reshape(1)
+            part = torch.cat([rows, rest]).double().pow(2).sum()
+        total = part if total is None else total.add_(part)
+    if total is None:
+        return torch.zeros((), dtype=torch.float64)
     total = total.cpu()
-    if not torch.isfinite(total):
+    if not math.isfinite(float(total)):  # (a Python float: torch.isfinite costs ~3 µs, a small stage's step notices)
         total = sum((f.double().pow(2).sum().cpu() for f in flats), torch.zeros((), dtype=torch.float64))
     return total
 
@@ -313,14 +315,18 @@ class DeviceWorker:
     def sq_norm(self) -> torch.Tensor:
         """This device's share of the squared global gradient norm (float64 scalar)."""
         total = sum_of_squares(self.master_grads(self.norm_chunks()))
-        for tie in self.ties:  # a tied weight counts once: drop its other copies (replica 0, after the sum)
+        copies = []  # a tied weight counts once: drop its other copies (replica 0, after the sum)
+        for tie in self.ties:
             if tie.replica != 0:
                 continue
             for d, stage, name in tie.members[1:]:
                 if d == self.device:
                     g, j = self._slot(Chunk(0, stage), name)
-                    total -= sum_of_squares([g.master_grad_views[j]])
-        return total.clamp_min(0.0)  # the two float32 norms may round a share of only tied copies below 0
+                    copies.append(g.master_grad_views[j])
+        if not copies:
+            return total
+        # (the two float32 norms may round a share of only tied copies below 0)
+        return (total - sum_of_squares(copies)).clamp_min(0.0)
 
     def chunk_norm(self, chunk: Chunk) -> float:
         """The gradient norm of one chunk (asynchronous schedules clip per stage)."""
