@@ -1,6 +1,7 @@
 """comm.P2P: shapes agreed once per slot, then one message per transfer (flag and payloads packed in one byte
-buffer, reused across iterations), receives posted ahead, and a change of shapes (or a missing gradient) still
-arriving exactly, over two real gloo processes."""
+buffer, reused across iterations), receives posted ahead (every known one at the start of an iteration on gloo,
+one per channel as on NCCL), and a change of shapes (or a missing gradient) still arriving exactly, over two
+real gloo processes, in both ways of posting."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,17 +10,19 @@ import pytest
 import torch
 
 from pipeoptim.runtime import launch
-from pipeoptim.runtime.comm import HEADER_LEN, pack_header, unpack_header
+from pipeoptim.runtime.comm import HEADER_LEN, SIDE_TAG, pack_header, unpack_header
 from pipeoptim.schedules.actions import Backward, Forward
 
 # What rank 0 sends to rank 1 in each of two iterations: (consumer op, tensors), in sending order.
 # Forward(mb, 1, 0) messages share one slot, Backward(mb, 1, 0) messages another.
 WIDTHS = [(3, 5), (3, 5), (2, 5), (2, 5), (3, 5)]     # the third message changes the shape, the fifth back
+WIDTHS_LAST = [(2, 5), (3, 5), (3, 5), (3, 5), (3, 5)]  # the third iteration: other shapes at other places
+ITERATIONS = 3
 
 
 def _messages(iteration: int):
     out = []
-    for mb, shape in enumerate(WIDTHS):
+    for mb, shape in enumerate(WIDTHS if iteration < 2 else WIDTHS_LAST):
         g = torch.Generator().manual_seed(100 * iteration + mb)
         x = torch.randn(shape, generator=g)
         ids = torch.randint(0, 9, (shape[0],), generator=g)
@@ -31,7 +34,7 @@ def _messages(iteration: int):
     return out
 
 
-def _p2p_job():
+def _p2p_job(post_all_ahead: bool):
     import os
 
     import torch.distributed as dist
@@ -42,24 +45,28 @@ def _p2p_job():
 
     init_from_env()
     rank = int(os.environ["RANK"])
-    sent_ops: list[list[int]] = []   # per transfer, the sizes of the tensors sent (header, payload, ...)
+    sent_ops: list[list[int]] = []   # per transfer, the sizes of the tensors sent (fill, header, payload, ...)
+    sent_tags: list[list[int]] = []  # and the tag of each
     real = comm._start
 
-    def counting(op, tensors, peer):
+    def counting(op, tensors, peer, tag=0):
         if op is dist.isend:
-            sent_ops.append([t.numel() for t in tensors])
-        return real(op, tensors, peer)
+            sent_ops[-1] += [t.numel() for t in tensors]
+            sent_tags[-1] += [tag] * len(tensors)
+        return real(op, tensors, peer, tag)
 
     comm._start = counting
     keys = [k for k, _ in _messages(0)]
     plan = SimpleNamespace(channels={(0, 1): keys})
-    p2p = P2P(plan, rank, lambda d: d, torch.device("cpu"))
+    p2p = P2P(plan, rank, lambda d: d, torch.device("cpu"), post_all_ahead=post_all_ahead)
     report = {"ok": [], "posted_at_start": [], "storages": []}
-    for it in range(2):
+    for it in range(ITERATIONS):
         p2p.reset(plan)
-        report["posted_at_start"].append(sorted(p2p.posted))
+        report["posted_at_start"].append((sorted(p2p.posted), {src: sorted(a) for src, a in p2p.ahead.items()}))
         if rank == 0:
             for key, tensors in _messages(it):
+                sent_ops.append([])
+                sent_tags.append([])
                 p2p.send(1, key, tensors)
         else:
             for key, tensors in reversed(_messages(it)):      # taken out of order: the inbox keeps the rest
@@ -71,19 +78,19 @@ def _p2p_job():
                 report["ok"].append(bool(same))
                 report["storages"].append([None if t is None else t.untyped_storage().data_ptr() for t in got])
         p2p.finish()
-    report["sent_ops"] = sent_ops
+    report["sent_ops"], report["sent_tags"] = sent_ops, sent_tags
     report["layouts"] = (len(p2p.sent_layouts), len(p2p.recv_layouts))
     return report
 
 
-@pytest.fixture(scope="module")
-def reports():
-    return launch(_p2p_job, 2, timeout_s=120)
+@pytest.fixture(scope="module", params=[True, False], ids=["all-ahead", "one-ahead"])
+def reports(request):
+    return request.param, launch(_p2p_job, 2, request.param, timeout_s=120)
 
 
 def test_every_message_arrives_exactly_in_shape_dtype_and_value(reports):
-    got = reports[1]["ok"]
-    assert len(got) == 2 * len(_messages(0)) and all(got)
+    got = reports[1][1]["ok"]
+    assert len(got) == ITERATIONS * len(_messages(0)) and all(got)
 
 
 def _packed(*nbytes):
@@ -95,9 +102,10 @@ def _packed(*nbytes):
 
 
 def test_a_transfer_is_one_message_and_a_header_travels_only_when_a_slot_is_new_or_its_shapes_change(reports):
-    sent = reports[0]["sent_ops"]
-    per_iteration = len(_messages(0))
-    first, second = sent[:per_iteration], sent[per_iteration:]
+    all_ahead, (sender, receiver) = reports
+    sent = sender["sent_ops"]
+    n = len(_messages(0))
+    first, second, third = sent[:n], sent[n:2 * n], sent[2 * n:]
     header = HEADER_LEN
     # iteration 1: F slot new (header, message), same, changed (the old layout's message flagged "changed",
     # header, message), same, changed; B slot new, changed (None appears), changed (dtype)
@@ -108,26 +116,45 @@ def test_a_transfer_is_one_message_and_a_header_travels_only_when_a_slot_is_new_
     assert first[2] == [f35, header, f25] and first[3] == [f25]
     assert first[6] == [_packed(16, 16), header, _packed(16)]           # a missing gradient takes no bytes
     assert first[7] == [_packed(16), header, _packed(8)]                # 2 x 2 bfloat16
-    # iteration 2 starts where iteration 1 ended (F slot agreed at 3x5, B at bf16 + None): unchanged shapes
-    # are one message each
-    assert [len(ops) for ops in second] == [1, 1, 3, 1, 3, 3, 3, 3]
-    assert second[0] == [f35]
+    if all_ahead:
+        # every receive was posted at the start in the layout its message had the iteration before: iteration
+        # 2 repeats iteration 1's shapes, one message each; in iteration 3 the F messages whose shape differs
+        # from that message's last one (0, 2, 3) fill the posted receive and send a header
+        assert [len(ops) for ops in second] == [1] * n
+        assert [len(ops) for ops in third] == [3, 1, 3, 3, 1, 1, 1, 1]
+        assert third[0] == [f35, header, f25] and third[2] == [f25, header, f35]
+        # headers and the payloads after them travel under their own tag, never into a receive posted ahead
+        for ops, tags in zip(sent, sender["sent_tags"]):
+            assert tags == ([SIDE_TAG] * 2 if len(ops) == 2 else [0] + [SIDE_TAG] * 2 if len(ops) == 3 else [0])
+    else:
+        # one receive ahead per channel, in the slot's agreed shapes: iteration 2 starts where iteration 1
+        # ended (F slot agreed at 3x5, B at bf16 + None): unchanged shapes are one message each
+        assert [len(ops) for ops in second] == [1, 1, 3, 1, 3, 3, 3, 3]
+        assert second[0] == [f35]
+        assert [len(ops) for ops in third] == [3, 3, 1, 1, 1, 3, 3, 3]
+        assert all(set(tags) == {0} for tags in sender["sent_tags"])    # NCCL matches by order, not by tag
 
 
 def test_receive_buffers_are_reused_across_iterations_when_the_layout_is_the_same(reports):
-    storages = reports[1]["storages"]
+    all_ahead, (_, receiver) = reports
+    storages = receiver["storages"]
     n = len(_messages(0))
-    first, second = storages[:n][::-1], storages[n:][::-1]       # (taken in reverse order)
-    for i in (0, 1, 3):   # the messages that arrive in the agreed layout in both iterations
+    first, second = storages[:n][::-1], storages[n:2 * n][::-1]       # (taken in reverse order)
+    for i in (range(n) if all_ahead else (0, 1, 3)):   # the messages that arrive in the posted layout in both
         assert first[i] == second[i]
     # within an iteration every message has its own buffer (all were held in the inbox at once)
     ptrs = [p for msg in first for p in set(msg) if p is not None]
     assert len(ptrs) == len(set(ptrs))
 
 
-def test_the_receiver_posts_the_first_message_of_each_channel_ahead_once_shapes_are_agreed(reports):
-    assert reports[1]["posted_at_start"] == [[], [0]]
-    assert reports[0]["posted_at_start"] == [[], []]     # rank 0 receives nothing
+def test_the_receiver_posts_ahead_what_it_knows_when_an_iteration_starts(reports):
+    all_ahead, (sender, receiver) = reports
+    n = len(_messages(0))
+    if all_ahead:   # every message whose consumer had one the iteration before
+        assert receiver["posted_at_start"] == [([], {0: []}), ([], {0: list(range(n))}), ([], {0: list(range(n))})]
+    else:           # the first message of each channel once its slot's shapes are agreed
+        assert receiver["posted_at_start"] == [([], {}), ([0], {}), ([0], {})]
+    assert all(posted == ([], {}) for posted in sender["posted_at_start"])     # rank 0 receives nothing
 
 
 def test_header_round_trip():
@@ -140,6 +167,64 @@ def test_a_rank_holds_one_layout_per_slot_however_often_shapes_change(reports):
     """Shapes changed 5 times per iteration over 2 slots (F and B): each rank keeps the current layout of each
     slot, not one per shape it ever saw (the module-wide cache this replaced grew without bound)."""
     from pipeoptim.runtime import comm
-    assert reports[0]["layouts"] == (2, 0) and reports[1]["layouts"] == (0, 2)
+    _, (sender, receiver) = reports
+    assert sender["layouts"] == (2, 0) and receiver["layouts"] == (0, 2)
     assert not any(isinstance(v, dict) and v and all(isinstance(x, comm.Layout) for x in v.values())
                    for v in vars(comm).values())
+
+
+def _train_eval_job(post_all_ahead: bool):
+    """Training iterations, an evaluation whose forwards carry other shapes, then training again: the message
+    counts per transfer of each iteration, and whether every message arrived exactly."""
+    import os
+
+    import torch.distributed as dist
+
+    from pipeoptim.runtime import comm
+    from pipeoptim.runtime.comm import P2P
+    from pipeoptim.runtime.dist_env import init_from_env
+
+    init_from_env()
+    rank = int(os.environ["RANK"])
+    counts: list[int] = []
+    real = comm._start
+
+    def counting(op, tensors, peer, tag=0):
+        if op is dist.isend:
+            counts[-1] += len(tensors)
+        return real(op, tensors, peer, tag)
+
+    comm._start = counting
+    train = SimpleNamespace(channels={(0, 1): [k for k, _ in _messages(0)]}, forward_only=False)
+    keys = [Forward(mb, 1, 0) for mb in range(3)]
+    evaluation = SimpleNamespace(channels={(0, 1): keys}, forward_only=True)
+    eval_messages = [(k, (torch.full((4, 5), float(mb)), torch.arange(4))) for mb, k in enumerate(keys)]
+    p2p = P2P(train, rank, lambda d: d, torch.device("cpu"), post_all_ahead=post_all_ahead)
+    report = {"counts": [], "ok": []}
+    for plan, messages in [(train, _messages(1)), (train, _messages(1)), (evaluation, eval_messages),
+                           (train, _messages(1))]:
+        p2p.reset(plan)
+        counts.clear()
+        if rank == 0:
+            for key, tensors in messages:
+                counts.append(0)
+                p2p.send(1, key, tensors)
+        else:
+            for key, tensors in messages:
+                got = p2p.recv(0, key)
+                report["ok"].append(all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, tensors)))
+        p2p.finish()
+        report["counts"].append(list(counts))
+    return report
+
+
+@pytest.mark.parametrize("all_ahead", [True, False], ids=["all-ahead", "one-ahead"])
+def test_an_evaluation_with_other_shapes_leaves_trainings_receives_posted_in_trainings_shapes(all_ahead):
+    sender, receiver = launch(_train_eval_job, 2, all_ahead, timeout_s=120)
+    assert receiver["ok"] and all(receiver["ok"])
+    first, second, evaluation, after = sender["counts"]
+    assert evaluation[0] == 3 and evaluation[1:] == [1, 1]   # new shapes: the posted receive filled, a header
+    if all_ahead:   # training's messages were posted in training's shapes again: one message each
+        assert second == [1] * len(first) and after == [1] * len(first)
+    else:           # the slot's agreed shapes are evaluation's now: the first forward changes back
+        assert after[0] == 3
