@@ -105,6 +105,49 @@ def count_reductions(cases, steps: int = STEPS):
     return out
 
 
+def count_messages(cases, steps: int = STEPS):
+    """Rank side: per case and training iteration (an evaluation after the first), how many receives this rank
+    posted when the iteration started and after it, how many messages it received, and how many headers (the
+    side tag) it sent: the runtime's receives on gloo are all posted ahead once shapes are known."""
+    from pipeoptim.runtime import comm
+    real_start = comm._start
+    out = []
+    for case in cases:
+        pipe = make_pipeline(case, emulate=False)
+        p2p = pipe._runner.p2p
+        real_reset = p2p.reset
+        phase = {"reset": False}
+        counts: list[dict] = []
+
+        def counting(op, tensors, peer, tag=0):
+            c = counts[-1]
+            if op is comm.dist.irecv:
+                c["posted_at_start" if phase["reset"] else "posted_later"] += len(tensors)
+            elif tag == comm.SIDE_TAG:
+                c["headers_sent"] += len(tensors)
+            return real_start(op, tensors, peer, tag)
+
+        def reset(plan):
+            phase["reset"] = True
+            try:
+                real_reset(plan)
+            finally:
+                phase["reset"] = False
+        comm._start, p2p.reset = counting, reset
+        try:
+            for i in range(steps):
+                counts.append({"posted_at_start": 0, "posted_later": 0, "headers_sent": 0})
+                pipe.train_step(batch(i))
+                counts[-1]["received"] = sum(len(seq) for (src, dst), seq in pipe.plan.channels.items()
+                                             if dst == p2p.me)
+                if i == 0:
+                    pipe.eval_step(batch(100))
+        finally:
+            comm._start = real_start
+        out.append(counts)
+    return out
+
+
 def one_device_job(device: str, schedule: str, policy, emulate: bool, steps: int = 3):
     """A one-device pipeline of 3 Linear-Tanh layers on ``device`` (run as a one-rank job: NCCL on a GPU, gloo on
     the CPU; or emulated): the losses, the last stats and the weights (on the CPU) after ``steps`` steps."""
