@@ -57,8 +57,7 @@ def rank_job(schedule: str, n: int, rounds: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     ahead, torch_step, _ = peer._runtimes("tiny", schedule, n)
     one, _, _ = peer._runtimes("tiny", schedule, n)
-    p2p = one._runner.p2p  # (switched before its first iteration, when no receive is posted yet)
-    p2p.post_all_ahead, p2p.side_tag = False, 0
+    one._runner.p2p.post_all_ahead = False  # (before its first iteration, when no receive is posted yet)
     runners = {"all ahead": lambda b: ahead.train_step(b), "one ahead": lambda b: one.train_step(b),
                "torch": torch_step}
     times = {way: {m: [] for m in MEASURES} for way in WAYS}

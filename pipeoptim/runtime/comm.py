@@ -205,7 +205,6 @@ class P2P:
         self.plan, self.me, self.global_rank, self.device = plan, me, global_rank, device
         self.wait = wait or (lambda work, what, peer: work.wait())
         self.post_all_ahead = torch.device(device).type == "cpu" if post_all_ahead is None else post_all_ahead
-        self.side_tag = SIDE_TAG if self.post_all_ahead else 0
         # slot -> the layout (shapes) agreed for it: the receiver expects it from this rank / this rank expects it;
         # one per slot, so a job whose shapes keep changing holds no more layouts than it has slots
         self.sent_layouts: dict[tuple, Layout] = {}
@@ -218,6 +217,11 @@ class P2P:
         self._send_bufs = _Buffers(device)
         self._recv_bufs = _Buffers(device)
         self.reset(plan)
+
+    @property
+    def side_tag(self) -> int:
+        """The tag of headers and the payloads after them: one of their own where receives are posted ahead."""
+        return SIDE_TAG if self.post_all_ahead else 0
 
     def reset(self, plan: Plan) -> None:
         """Start an iteration of ``plan``: post the receives known ahead (all of them on gloo, the first
