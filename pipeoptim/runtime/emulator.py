@@ -28,13 +28,19 @@ __all__ = ["Emulator", "run_order"]
 NORM = "norm"  # a run_order entry: the global gradient norm, before a synchronous schedule's first Step
 
 
+def _copy(tensors: tuple) -> tuple:
+    if len(tensors) == 1 and tensors[0] is not None:
+        return (tensors[0].clone(),)
+    return tuple(None if x is None else x.clone() for x in tensors)
+
+
 class Emulator:
     def __init__(self, plan: Plan, workers: list[DeviceWorker]):
         if len(workers) != plan.num_devices:
             raise ValueError(f"the emulator needs one worker per device ({plan.num_devices}), got {len(workers)}")
         self.plan, self.workers = plan, workers
         self.stop_requested = False  # ``Pipeline.request_stop``: reported as ``stats["stop"]``
-        self._orders: dict[int, tuple[Plan, list]] = {}  # id(plan) -> (plan, run_order(plan))
+        self._orders: dict[int, tuple[Plan, list]] = {}  # id(plan) -> (plan, its run order as _order gives it)
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         D = plan.num_devices
@@ -48,8 +54,7 @@ class Emulator:
         grad_norm = float("nan")
         coef: float | None = None
         phase = None  # a synchronous schedule's (busy, wall) up to its first Step, as the executor reports them
-        for kind, d, a, src, out_to, index in order:
-            w = workers[d]
+        for kind, d, a, src, out_key, index, run, copy in order:
             try:
                 if kind is COMPUTE:
                     if src is None:
@@ -58,17 +63,11 @@ class Emulator:
                         data = inbox.pop(a, None)
                         if data is None:
                             raise RuntimeError("its input never arrived: the action that feeds it returned nothing")
-                    if isinstance(a, Forward):
-                        out = w.forward(a, data)
-                        if out is not None and out_to is not None:  # the sender keeps its own (its graph)
-                            inbox[out_to.to_op] = out if out_to.local else \
-                                tuple(None if x is None else x.clone() for x in out)
-                    else:  # input gradients: nobody on the sender reads them again
-                        out = w.backward(a, data)
-                        if out is not None and out_to is not None:
-                            inbox[out_to.to_op] = out
+                    out = run(a, data)
+                    if out is not None and out_key is not None:
+                        inbox[out_key] = _copy(out) if copy else out
                 elif kind is WEIGHT:
-                    w.backward_weight(a)
+                    workers[d].backward_weight(a)
                 elif kind is SYNC:
                     self._sync(a, src)
                 elif kind is NORM:
@@ -83,10 +82,10 @@ class Emulator:
                 else:  # Step
                     finite = math.isfinite(grad_norm) if synchronous else None
                     if not synchronous and clip_norm is not None:
-                        local_norm = w.chunk_norm(a.chunk)
+                        local_norm = workers[d].chunk_norm(a.chunk)
                         coef = min(1.0, clip_norm / (local_norm + 1e-6))
                         finite = math.isfinite(local_norm)
-                    w.step(index, a, coef, finite)
+                    workers[d].step(index, a, coef, finite)
             except PipelineError:
                 raise
             except Exception as e:
@@ -102,9 +101,20 @@ class Emulator:
                 "nonfinite": sum(len(w.nonfinite) for w in workers), "stop": self.stop_requested}
 
     def _order(self, plan: Plan) -> list[tuple]:
+        """``run_order(plan)``, each entry with what running it needs: ``(kind, device, action, input source,
+        consumer action of its output, index, the worker's method, whether the output is copied)``."""
         known = self._orders.get(id(plan))
         if known is None or known[0] is not plan:
-            known = self._orders[id(plan)] = (plan, run_order(plan))
+            steps = []
+            for kind, d, a, src, out_to, index in run_order(plan):
+                w = self.workers[d]
+                forward = isinstance(a, Forward)
+                run = (w.forward if forward else w.backward) if kind is COMPUTE else None
+                # an activation crossing devices is copied, as on the wire; the sender keeps its own (its graph).
+                # Input gradients are handed over: nobody on the sender reads them again
+                copy = forward and out_to is not None and not out_to.local
+                steps.append((kind, d, a, src, None if out_to is None else out_to.to_op, index, run, copy))
+            known = self._orders[id(plan)] = (plan, steps)
         return known[1]
 
     def _sum_ties(self) -> None:

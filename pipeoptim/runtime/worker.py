@@ -33,6 +33,7 @@ __all__ = ["StageRuntime", "DeviceWorker", "as_tuple", "run_backward", "sum_of_s
 
 _ROW = 1 << 12  # elements per float32 partial sum of squares
 _SMALL = 1 << 16  # up to this many elements a buffer is summed in float64 at once (one operation instead of six)
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def sum_of_squares(tensors) -> torch.Tensor:
@@ -138,7 +139,7 @@ class DeviceWorker:
 
     def _autocast(self):
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     # ---- compute ---------------------------------------------------------------------------------------
@@ -159,15 +160,21 @@ class DeviceWorker:
         """Run ``op``; returns the tensors to deliver to its consumer (None on the last stage)."""
         t0 = time.perf_counter()
         st, last, s, lookahead, key = self._about(op)
+        train = self.train
         if op.stage == 0:
             xs = self.inputs[op.mb]
+        elif received is None:
+            raise RuntimeError(f"no input arrived for {op}")
+        elif train:
+            xs = received
+            for x in xs:
+                if x.is_floating_point():
+                    x.requires_grad_(True)
         else:
-            if received is None:
-                raise RuntimeError(f"no input arrived for {op}")
-            xs = tuple(x.requires_grad_(True) if self.train and x.is_floating_point() else x for x in received)
-        if self.train:
+            xs = received
+        if train:
             with st.policy.forward(op.mb, s=s, lookahead=lookahead), self._autocast():
-                out = self._run_module(st, xs, op.mb)
+                out = st.module(*xs) if not st.checkpoint else self._run_module(st, xs, op.mb)
                 loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
@@ -185,7 +192,7 @@ class DeviceWorker:
         self.busy += time.perf_counter() - t0
         if last:
             return None
-        return tuple(o.detach() for o in outs)
+        return (outs[0].detach(),) if len(outs) == 1 else tuple(o.detach() for o in outs)
 
     def _run_module(self, st: StageRuntime, xs: tuple, mb):
         if st.checkpoint:   # recomputed in the backward, on the weights the policy names (pipeoptim.recompute)
