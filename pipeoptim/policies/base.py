@@ -370,13 +370,14 @@ class WeightPolicy:
     def peak_activation_bytes(self, value: int) -> None:
         self._peak_act = value
 
-    @property
-    def _reads_own_forward_weights(self) -> bool:
-        return type(self)._forward_weights is not WeightPolicy._forward_weights
+    # whether the class overrides _forward_weights / _backward_weights (set per class: the scopes ask per action)
+    _reads_own_forward_weights: ClassVar[bool] = False
+    _reads_own_backward_weights: ClassVar[bool] = False
 
-    @property
-    def _reads_own_backward_weights(self) -> bool:
-        return type(self)._backward_weights is not WeightPolicy._backward_weights
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._reads_own_forward_weights = cls._forward_weights is not WeightPolicy._forward_weights
+        cls._reads_own_backward_weights = cls._backward_weights is not WeightPolicy._backward_weights
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"
@@ -435,10 +436,13 @@ class _ForwardScope(_Scope):
             contexts.append(p.saved.hooks(tag, p._resolve, acts))
         if p._reads_own_forward_weights:
             contexts.append(p._forward_weights(mb, s))
-        self._enter(contexts)
+        if contexts:
+            self._enter(contexts)
+        else:
+            self._inner = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb)
+        handled = self._exit(exc_type, exc, tb) if self._inner is not None else False
         if (exc_type is None or handled) and torch.is_grad_enabled():
             self.policy._forward_done(self.mb, self.tag, self.acts)
         return handled
@@ -452,10 +456,13 @@ class _BackwardScope(_Scope):
 
     def __enter__(self) -> None:
         p = self.policy
-        self._enter([p._backward_weights(self.mb, self.s)] if p._reads_own_backward_weights else [])
+        if p._reads_own_backward_weights:
+            self._enter([p._backward_weights(self.mb, self.s)])
+        else:
+            self._inner = None
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb)
+        handled = self._exit(exc_type, exc, tb) if self._inner is not None else False
         if exc_type is None or handled:
             self.policy._backward_done(self.mb, self.part)
         return handled
