@@ -91,6 +91,44 @@ def test_custom_policy_can_be_registered():
         POLICIES.pop("test_frozen", None)
 
 
+def test_a_policys_own_weight_contexts_run_whether_defined_or_inherited():
+    """Whether a class reads its own weights is worked out once per class (the scopes ask it per action): a
+    class that defines _forward_weights / _backward_weights, and one that inherits them, both get them run."""
+    seen = []
+
+    class Recording(WeightPolicy):
+        name = "test_recording"
+
+        @contextlib.contextmanager
+        def _forward_weights(self, mb, s):
+            seen.append(("forward", mb, s))
+            yield
+
+        @contextlib.contextmanager
+        def _backward_weights(self, mb, s):
+            seen.append(("backward", mb, s))
+            yield
+
+    class Inheriting(Recording):
+        pass
+
+    class Plain(WeightPolicy):
+        pass
+
+    assert Plain._reads_own_forward_weights is False and Plain._reads_own_backward_weights is False
+    for cls in (Recording, Inheriting):
+        seen.clear()
+        model = XWT()
+        pol = cls(model, O.SGD(model.parameters(), lr=0.1))
+        x = XWT.example().requires_grad_(True)
+        with pol.forward(3, s=0):
+            y = model(x)
+        with pol.backward(3, s=1):
+            y.sum().backward()
+        assert seen == [("forward", 3, 0), ("backward", 3, 1)], cls.__name__
+        assert pol.in_flight == ()
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_contract_errors(name):
     model, optimizer, pol, _ = build(name, update_every=4) if name == "2bw" else build(name)
