@@ -206,9 +206,10 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
              optimizer: str = "adamw", policy: str | None = None) -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
     ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone; pipeoptim's
-    runs weight policy ``_policy(schedule, policy)``), both stepping ``OPTIMIZERS[optimizer]``; returns the slowest rank's times per runtime (``name``) and the CPU time of every
-    thread of every rank, summed (``"<name> cpu"``): on processes that share cores a step's wall time depends on
-    the scheduler, its CPU time much less. When both run the same schedule, their weights must agree after the
+    runs weight policy ``_policy(schedule, policy)``), both stepping ``OPTIMIZERS[optimizer]``; returns the
+    slowest rank's times per runtime (``name``) and the CPU time of every thread of every rank, summed
+    (``"<name> cpu"``): on processes that share cores a step's wall time depends on the scheduler, its CPU time
+    much less. When both run the same schedule, their weights must agree after the
     first round (same weights, same batch)."""
     import torch.distributed as dist
 
