@@ -106,6 +106,9 @@ class Emulator:
         known = self._orders.get(id(plan))
         if known is None or known[0] is not plan:
             steps = []
+            # the consumer's own action object as the inbox key: a lookup by an equal but distinct object also
+            # compares the two (a dataclass __eq__), one per message
+            own = {a: a for row in plan.actions for a in row}
             for kind, d, a, src, out_to, index in run_order(plan):
                 w = self.workers[d]
                 forward = isinstance(a, Forward)
@@ -113,7 +116,7 @@ class Emulator:
                 # an activation crossing devices is copied, as on the wire; the sender keeps its own (its graph).
                 # Input gradients are handed over: nobody on the sender reads them again
                 copy = forward and out_to is not None and not out_to.local
-                steps.append((kind, d, a, src, None if out_to is None else out_to.to_op, index, run, copy))
+                steps.append((kind, d, a, src, None if out_to is None else own[out_to.to_op], index, run, copy))
             known = self._orders[id(plan)] = (plan, steps)
         return known[1]
 
