@@ -26,7 +26,6 @@ import argparse
 import collections
 import contextlib
 import os
-import statistics
 import sys
 import time
 import timeit
