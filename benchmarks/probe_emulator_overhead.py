@@ -8,8 +8,9 @@ work goes, so that the next change aims at the largest piece instead of a guess:
 
 - by part, side by side with the staged floor in one process, rounds alternating: an emulated 1F1B step
   (``policy="none"``, N micro-batches on 4 devices) timed in its forwards, backwards, optimizer steps with the
-  global norm, and the rest (the emulator's loop, the copies it hands over, ``begin``/``end``, the stats); the
-  staged step in its forwards, backwards and optimizer steps. Each timed call carries the timer's own cost
+  global norm, and the rest (the emulator's loop, the copies it hands over, ``begin``/``end``, the stats, and
+  the tensors freed between the timed calls); the staged step likewise in its forwards, backwards, optimizer
+  steps and the rest (its loop, and what it frees there). Each timed call carries the timer's own cost
   (printed), once per call;
 - by piece, each timed alone (``timeit``) on the same stages: a weight policy's forward and backward scope,
   the stage module's wrapper (``StageModule`` around the stage against the stage itself), one activation's copy,
@@ -137,6 +138,7 @@ def by_part(model: str, n: int, rounds: int, warmup: int) -> dict:
     ours["total"] = per_step(run_t, "run")
     ours["rest"] = ours["total"] - sum(ours[k] for k in PARTS)
     staged_ms = {k: per_step(staged_t, k) for k in ("forward", "backward", "step", "total")}
+    staged_ms["rest"] = staged_ms["total"] - sum(staged_ms[k] for k in ("forward", "backward", "step"))
     calls = {k: ours_calls[k] / rounds for k in PARTS}
     return {"ours": ours, "staged": staged_ms, "calls_per_step": calls}
 
@@ -197,8 +199,8 @@ def main(argv=None) -> int:
         label = "optimizer steps + global norm" if part == "step" else f"{part}s"
         lines.append(f"{label:36} {mine:13.3f} {staged[theirs]:10.3f} "
                      f"{1e3 * (mine - staged[theirs]) / actions:20.2f}")
-    lines.append(f"{'the rest (loop, copies, begin/end)':36} {ours['rest']:13.3f} {0.0:10.3f} "
-                 f"{1e3 * ours['rest'] / actions:20.2f}")
+    lines.append(f"{'the rest (loop, copies, frees, ...)':36} {ours['rest']:13.3f} {staged['rest']:10.3f} "
+                 f"{1e3 * (ours['rest'] - staged['rest']) / actions:20.2f}")
     own = "  of it, this probe's own timer"
     lines.append(f"{own:36} {timer_ms:13.3f} {'':10} {1e3 * timer_ms / actions:20.2f}   "
                  f"({sum(calls.values()):.0f} timed calls x {timer:.2f} us)")
