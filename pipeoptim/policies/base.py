@@ -393,7 +393,10 @@ class _Scope:
     the policy needs around the body (entered in order, exited in reverse, an exception passed through them)."""
     __slots__ = ("policy", "mb", "s", "_inner")
 
-    def _enter(self, contexts: list) -> None:
+    def _enter(self, contexts) -> None:
+        if not contexts:  # (most scopes: nothing to enter, nothing to exit)
+            self._inner = ()
+            return
         self._inner = []
         for c in contexts:
             try:
@@ -406,6 +409,8 @@ class _Scope:
     def _exit(self, exc_type, exc, tb) -> bool:
         """Exit the entered contexts in reverse order, as nested ``with`` statements would; True when they
         handled the exception ``exc``."""
+        if not self._inner:
+            return False
         pending = exc
         while self._inner:
             c = self._inner.pop()
@@ -436,13 +441,10 @@ class _ForwardScope(_Scope):
             contexts.append(p.saved.hooks(tag, p._resolve, acts))
         if p._reads_own_forward_weights:
             contexts.append(p._forward_weights(mb, s))
-        if contexts:
-            self._enter(contexts)
-        else:
-            self._inner = None
+        self._enter(contexts)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb) if self._inner is not None else False
+        handled = self._exit(exc_type, exc, tb)
         if (exc_type is None or handled) and torch.is_grad_enabled():
             self.policy._forward_done(self.mb, self.tag, self.acts)
         return handled
@@ -456,13 +458,10 @@ class _BackwardScope(_Scope):
 
     def __enter__(self) -> None:
         p = self.policy
-        if p._reads_own_backward_weights:
-            self._enter([p._backward_weights(self.mb, self.s)])
-        else:
-            self._inner = None
+        self._enter((p._backward_weights(self.mb, self.s),) if p._reads_own_backward_weights else ())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb) if self._inner is not None else False
+        handled = self._exit(exc_type, exc, tb)
         if exc_type is None or handled:
             self.policy._backward_done(self.mb, self.part)
         return handled

@@ -29,9 +29,8 @@ NORM = "norm"  # a run_order entry: the global gradient norm, before a synchrono
 
 
 def _copy(tensors: tuple) -> tuple:
-    if len(tensors) == 1 and tensors[0] is not None:
-        return (tensors[0].clone(),)
-    return tuple(None if x is None else x.clone() for x in tensors)
+    """A forward's outputs as they arrive on another device: copies (a stage's outputs are tensors)."""
+    return (tensors[0].clone(),) if len(tensors) == 1 else tuple(x.clone() for x in tensors)
 
 
 class Emulator:

@@ -174,7 +174,7 @@ class DeviceWorker:
             xs = received
         if train:
             with st.policy.forward(op.mb, s=s, lookahead=lookahead), self._autocast():
-                out = st.module(*xs) if not st.checkpoint else self._run_module(st, xs, op.mb)
+                out = self._run_module(st, xs, op.mb)
                 loss = self.loss_fn(out, self.targets[op.mb]) if last else None
             if last:
                 self.losses[op.mb] = loss.detach().float()
