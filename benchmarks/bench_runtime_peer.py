@@ -21,9 +21,11 @@ samples per second: asynchronous 1F1B with policy none (an optimizer step per mi
 optimizer's own) and with PipeOptim (the same steps, each forward on the weights predicted for its backward;
 its fused kernel takes a stage's step and the next prediction in one pass over the flat buffers, where a
 prediction is made; the last stage, which never predicts, steps the optimizer itself), and PipeDream-2BW
-(policy 2bw: a step per 4 micro-batches, double-buffered weights). Each ``train_step`` of an
-asynchronous schedule is one window of the stream (``schedules/asynchronous.py``): it fills and drains the
-pipeline like a synchronous step, so it keeps the same bubble and adds its extra optimizer steps.
+(policy 2bw: a step per 4 micro-batches, double-buffered weights). Async 1F1B with policy none runs twice: as
+windows (each ``train_step`` fills and drains the pipeline like a synchronous step: the same bubble, plus the
+extra optimizer steps) and as a stream (``Pipeline(stream=True)``: the micro-batches in flight carry from one
+``train_step`` to the next, so a timed step, after the untimed first that fills the pipeline, neither fills nor
+drains); the PipeOptim and 2BW rows run as streams.
 ``--emulated`` adds the one-process rows: an emulated ``Pipeline`` against the plain unpipelined step of the
 same model (forward and backward of every micro-batch, then AdamW); with ``--device cuda --emulated-only``
 they run on the GPU, every stage on it (torch's runtime needs a GPU per rank, so no 4-process rows there).
@@ -57,8 +59,10 @@ from torch import nn
 
 SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
         "zbv": "ScheduleZBVZeroBubble"}
-# the asynchronous rows: (schedule, the weight policy it runs with); the first row of a schedule is its default
-ASYNC = (("async-1f1b", "none"), ("async-1f1b", "pipeoptim"), ("2bw", "2bw"))
+# the asynchronous rows: (schedule, the weight policy it runs with, stream: whether the micro-batches in flight
+# carry from one train_step to the next); the first row of a schedule names its default policy
+ASYNC = (("async-1f1b", "none", False), ("async-1f1b", "none", True), ("async-1f1b", "pipeoptim", True),
+         ("2bw", "2bw", True))
 STAGES = 4                       # processes (pipeline devices)
 TWO_PER_RANK = ("interleaved", "zbv")
 _GPT_CUTS = {4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}   # over [embedding, 8 blocks, head]
@@ -125,8 +129,9 @@ OPTIMIZERS = {"adamw": _adamw, "adamw-fused": lambda params: _adamw(params, fuse
 
 
 def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | None = None,
-              policy: str | None = None):
-    """This rank's pipeoptim ``Pipeline`` (weight policy ``_policy(schedule, policy)``) and torch's step of
+              policy: str | None = None, stream: bool = False):
+    """This rank's pipeoptim ``Pipeline`` (weight policy ``_policy(schedule, policy)``, ``Pipeline(stream=...)``)
+    and torch's step of
     synchronous schedule ``peer`` (default: the same schedule; None for an asynchronous one without a peer):
     (pipeline, torch_step or None, {global parameter name: torch's tensor}). Torch's stages hold the same model
     from the same weights, cut for ``peer``."""
@@ -138,7 +143,7 @@ def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | N
 
     total = num_stages(schedule)
     ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
-                    schedule=schedule, policy=_policy(schedule, policy), microbatches=n)
+                    schedule=schedule, policy=_policy(schedule, policy), microbatches=n, stream=stream)
     peer = peer or (schedule if schedule in SYNC else None)
     if peer is None:
         return ours, None, {}
@@ -203,17 +208,19 @@ def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
 
 
 def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None,
-             optimizer: str = "adamw", policy: str | None = None) -> dict:
+             optimizer: str = "adamw", policy: str | None = None, stream: bool = False) -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
     ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone; pipeoptim's
-    runs weight policy ``_policy(schedule, policy)``), both stepping ``OPTIMIZERS[optimizer]``; returns the
+    runs weight policy ``_policy(schedule, policy)``, as a stream across its steps with ``stream``: after the
+    first, untimed, every step is the stream's steady state), both stepping ``OPTIMIZERS[optimizer]``; returns the
     slowest rank's times per runtime (``name``) and the CPU time of every thread of every rank, summed
     (``"<name> cpu"``): on processes that share cores a step's wall time depends on the scheduler, its CPU time
     much less. When both run the same schedule, their weights must agree after the
     first round (same weights, same batch)."""
     import torch.distributed as dist
 
-    ours, torch_step, torch_params = _runtimes(model, schedule, n, OPTIMIZERS[optimizer], peer=peer, policy=policy)
+    ours, torch_step, torch_params = _runtimes(model, schedule, n, OPTIMIZERS[optimizer], peer=peer, policy=policy,
+                                               stream=stream)
     runners = {"pipeoptim": lambda b: ours.train_step(b)}
     if torch_step is not None:
         runners["torch"] = torch_step
@@ -237,6 +244,8 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
                 raise RuntimeError(f"{model} {schedule} N={n}, rank {dist.get_rank()}: after one step from the same "
                                    f"weights the runtimes' weights differ (by {gap:.3g} beyond the tolerance, in "
                                    f"{where}): they do not compute the same step, so their times do not compare")
+    if stream and ours.stream.in_flight is None:
+        raise RuntimeError(f"{model} {schedule}: the stream held nothing in flight after its steps: they were windows")
     return times
 
 
@@ -340,11 +349,11 @@ def _policy(schedule: str, policy: str | None = None) -> str:
     """The weight policy a row of ``schedule`` runs: ``policy``, else the schedule's first in ``ASYNC``, else none."""
     if policy is not None:
         return policy
-    return next((p for s, p in ASYNC if s == schedule), "none")
+    return next((p for s, p, _ in ASYNC if s == schedule), "none")
 
 
 def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer: str = "adamw",
-         policy: str = "none") -> dict:
+         policy: str = "none", stream: bool = False) -> dict:
     ours = statistics.median(times["pipeoptim"])
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
@@ -355,8 +364,8 @@ def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer
         c_paired, c_low, c_high = paired_ratio(ours_cpu, theirs_cpu)
         cpu = {"cpu_s": round(statistics.median(ours_cpu), 5), "peer_cpu_s": round(statistics.median(theirs_cpu), 5),
                "cpu_paired_ratio": round(c_paired, 3), "cpu_paired_ratio_90ci": "%.3f-%.3f" % (c_low, c_high)}
-    return {"model": model, "setting": setting, "schedule": schedule, "policy": policy, "microbatches": n,
-            "optimizer": optimizer,
+    return {"model": model, "setting": setting, "schedule": schedule, "policy": policy, "stream": stream,
+            "microbatches": n, "optimizer": optimizer,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
@@ -412,11 +421,11 @@ def main(argv=None) -> int:
                     best = (schedule, torch_median)
                 print(_format(rows[-1]), flush=True)
             if not args.no_async:
-                for schedule, policy in ASYNC:
-                    per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, best[0],
-                                      args.optimizer, policy, timeout_s=3600)
+                for schedule, policy, stream in ASYNC:
+                    per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, max(args.warmup, 1),
+                                      best[0], args.optimizer, policy, stream, timeout_s=3600)
                     rows.append(_row(model, "4 processes", schedule, n, per_rank[0], "torch", best[0],
-                                     args.optimizer, policy))
+                                     args.optimizer, policy, stream))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
                           "side by side)", flush=True)
         if args.emulated or args.emulated_only:
@@ -438,7 +447,8 @@ def main(argv=None) -> int:
 
 
 def _format(r: dict) -> str:
-    schedule = r["schedule"] + ("" if r["policy"] == _policy(r["schedule"]) else f"+{r['policy']}")
+    schedule = r["schedule"] + ("" if r["policy"] == _policy(r["schedule"]) else f"+{r['policy']}") + \
+        (" stream" if r.get("stream") else "")
     return (f"{r['model']:5} {r['setting']:12} {schedule:21} N={r['microbatches']:<3} pipeoptim "
             f"{r['pipeoptim_s'] * 1e3:8.2f} ms  {r['peer']:18} {r['peer_s'] * 1e3:8.2f} ms  "
             f"ratio {r['ratio']:.3f}  paired {r['paired_ratio']:.3f} ({r['paired_ratio_90ci']})  "

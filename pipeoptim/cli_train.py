@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
                    help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
                         "none for synchronous schedules)")
+    p.add_argument("--stream", action="store_true",
+                   help="async-1f1b and 2bw: keep the micro-batches in flight from one window to the next (the "
+                        "pipeline fills once and never drains between windows; evaluation and checkpoints "
+                        "drain it first)")
     p.add_argument("--recipe", choices=recipe_names(), default=None,
                    help="a measured asynchronous configuration by name (pipeoptim.recipes): it sets --schedule, "
                         "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules, --predict-from "
@@ -266,6 +270,9 @@ def _config(args) -> dict:
     sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
     policy = check_policy(sched, args.policy)
     Plan(sched)
+    if args.stream:
+        from .runtime.stream import check_stream
+        check_stream(sched)
     _check_delay(vars(args), sched)
     from .runtime.config import stages_for
     if stages_for(args.schedule, args.stages) > L + 2:
@@ -483,7 +490,7 @@ def train_worker(cfg: dict) -> dict:
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
                     policy_options=_policy_options(cfg), checkpoint_stages=cfg.get("checkpoint_stages") or (),
-                    **model_kw)
+                    stream=cfg.get("stream", False), **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])

@@ -49,6 +49,11 @@ name; call ``train_step(batch)`` on every rank.
   rank that holds it up (``runtime.watchdog``; default ``max(300 s, 20 x the slowest step)``). Building the
   pipeline and ``load`` are watched too, as is the rendezvous before them (``PIPEOPTIM_WATCHDOG_S``).
 - A batch is refused before anything runs when it is empty or its inputs and targets differ in row count.
+- ``stream=True`` (``async-1f1b``, ``2bw``): the micro-batches in flight when a ``train_step`` has run its
+  window's last forward stay in flight into the next call, so the pipeline fills once and never drains
+  between windows, as the asynchronous papers run it (``runtime.stream``). K calls and ``drain()`` apply
+  exactly the updates of one call on K x N micro-batches. ``eval_step``, ``state_dict``, ``save`` and
+  ``load`` drain first; each call's loss is its own window's.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ from .runtime.data_parallel import check_dp, devices_per_replica
 from .runtime.emulator import Emulator
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
+from .runtime.stream import Stream
 from .runtime.tied import check_ties, plan_ties
 from .runtime.watchdog import COLLECTIVE
 from .runtime.worker import DeviceWorker, StageRuntime
@@ -169,7 +175,7 @@ class Pipeline:
                  copies: Sequence[tuple[str, str]] = (), seed: int = 0,
                  init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
                  watchdog_s: float | None = None, delay_hparams: DelayRules | dict | None = None,
-                 measure_activations: bool = False):
+                 measure_activations: bool = False, stream: bool = False):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage, or a factory stage_index -> module), not both and not neither")
@@ -213,6 +219,9 @@ class Pipeline:
         self.schedule = make_schedule(schedule, devices, microbatches, **sched_opts)
         self.policy_name = check_policy(self.schedule, policy)
         self.plan = Plan(self.schedule)
+        self.stream = None  # runtime.stream.Stream: the micro-batches in flight carry from one train_step to the next
+        if stream:
+            self.stream = Stream(lambda n: make_schedule(schedule, devices, n, **sched_opts), microbatches)
         self.delay_rules = self._delay_rules(delay_hparams)
         self.eval_plan = Plan(self.schedule, forward_only=True)
         if tied and not self.schedule.synchronous:
@@ -357,12 +366,32 @@ class Pipeline:
         batch). ``last_stats`` also has the global gradient norm, the bubble fraction and whether some rank asked
         the job to stop (``stop``: ``request_stop``)."""
         mi, mt = self._split(batch)
-        self.last_stats = self._runner.run(self.plan, mi, mt, train=True, clip_norm=self.clip_norm)
+        plan = self.plan
+        if self.stream is not None:
+            plan, first = self.stream.next()
+            if first:  # the segment's micro-batches are labelled first..first+N-1 (runtime.stream)
+                mi, mt = [None] * first + mi, [None] * first + mt
+        self.last_stats = self._runner.run(plan, mi, mt, train=True, clip_norm=self.clip_norm)
+        if self.stream is not None:
+            self.stream.advance(plan)
         self.step_count += 1
         loss, skipped = self.last_stats["loss"], self.last_stats.get("nonfinite", 0)
         if skipped or not math.isfinite(loss):
             self._nonfinite(loss, skipped)
         return loss
+
+    def drain(self) -> None:
+        """``stream=True``: finish the micro-batches in flight (their backwards and steps), so that the weights,
+        the optimizer and the policy hold no half-finished micro-batch; the next ``train_step`` fills the pipeline
+        again. ``eval_step``, ``state_dict``, ``save`` and ``load`` drain first; call it before reading the weights
+        some other way (``named_parameters``). Without a stream (or with nothing in flight) it does nothing."""
+        plan = self.stream.drain() if self.stream is not None else None
+        if plan is None:
+            return
+        stats = self._runner.run(plan, [], [], train=True, clip_norm=self.clip_norm)
+        self.stream.advance(plan)
+        if stats.get("nonfinite", 0):
+            self._nonfinite(self.last_stats.get("loss", float("nan")), stats["nonfinite"])
 
     def request_stop(self) -> None:
         """Ask the whole job to stop: the next ``train_step`` (or ``eval_step``) carries the request in the
@@ -388,8 +417,10 @@ class Pipeline:
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
-        """Forward only through the same pipeline, on the real weights (no prediction, no stash)."""
+        """Forward only through the same pipeline, on the real weights (no prediction, no stash); a stream
+        drains first (``drain``)."""
         mi, mt = self._split(batch)
+        self.drain()
         stats = self._runner.run(self.eval_plan, mi, mt, train=False)
         return stats["loss"]
 
@@ -406,6 +437,7 @@ class Pipeline:
 
     def state_dict(self) -> dict:
         from .runtime.checkpoint import pipeline_state
+        self.drain()
         return pipeline_state(self)
 
     def save(self, directory: str, extra: dict | None = None, keep: int | None = None) -> str:
@@ -413,6 +445,7 @@ class Pipeline:
         meta.pt; ``keep``: how many of the newest checkpoints under ``directory`` to keep (None: all).
         Returns the checkpoint's own directory."""
         from .runtime.checkpoint import save
+        self.drain()
         return save(self, directory, extra, keep)
 
     def load(self, directory: str, weights_only: bool = False) -> dict:
@@ -420,6 +453,7 @@ class Pipeline:
         with any stage balance; returns the ``extra`` it was saved with; ``self.loaded_from`` says which.
         ``weights_only``: parameters only (e.g. to continue with another optimizer)."""
         from .runtime.checkpoint import load
+        self.drain()  # (what is in flight belongs to the run being replaced; finished, then overwritten)
         if self._watch is None:
             return load(self, directory, weights_only)
         with self._watch.during(f"loading checkpoint {directory}"):  # a rank frozen here is named in time

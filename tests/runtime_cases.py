@@ -73,6 +73,18 @@ def run_cases(cases):
     return [train(make_pipeline(c, emulate=False)) for c in cases]
 
 
+def train_stream(pipe, calls: int = 3):
+    """``calls`` train_steps of a stream (``stream=True``), then its drain: losses and the weights after."""
+    losses = [pipe.train_step(batch(i)) for i in range(calls)]
+    pipe.drain()
+    return {"losses": losses, "params": {k: v.detach().float().clone() for k, v in pipe.named_parameters().items()}}
+
+
+def run_stream_cases(cases, calls: int = 3):
+    """Rank side: ``train_stream`` every case in turn."""
+    return [train_stream(make_pipeline(c, emulate=False, stream=True), calls) for c in cases]
+
+
 def count_reductions(cases, steps: int = STEPS):
     """Rank side: per case and training iteration, the sizes of the tensors all-reduced (gradient buffers) and
     of the value lists summed by ``scalars.RankSum``, and every iteration's stats."""

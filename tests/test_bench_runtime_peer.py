@@ -119,7 +119,8 @@ def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
 
 def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
     per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, timeout_s=240)
-    assert bench.ASYNC == (("async-1f1b", "none"), ("async-1f1b", "pipeoptim"), ("2bw", "2bw"))
+    assert bench.ASYNC == (("async-1f1b", "none", False), ("async-1f1b", "none", True),
+                           ("async-1f1b", "pipeoptim", True), ("2bw", "2bw", True))
     assert bench._policy("2bw") == "2bw" and bench._policy("async-1f1b") == "none" and bench._policy("1f1b") == "none"
     assert all(set(t) == {"pipeoptim", "pipeoptim cpu"} and len(t["pipeoptim"]) == 1 for t in per_rank)
 
@@ -131,6 +132,14 @@ def test_asynchronous_1f1b_runs_with_pipeoptim_and_its_row_names_the_policy():
     assert all(set(t) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"} for t in per_rank)
     row = bench._row("tiny", "4 processes", "async-1f1b", 8, per_rank[0], "torch", "gpipe", "adamw", "pipeoptim")
     assert row["policy"] == "pipeoptim" and "async-1f1b+pipeoptim" in bench._format(row)
+
+
+def test_a_streamed_row_carries_its_micro_batches_from_one_timed_step_to_the_next():
+    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 1, "gpipe", "adamw", "none", True,
+                      timeout_s=240)
+    assert all(len(t["pipeoptim"]) == 2 for t in per_rank)
+    row = bench._row("tiny", "4 processes", "async-1f1b", 8, per_rank[0], "torch", "gpipe", "adamw", "none", True)
+    assert row["stream"] is True and "async-1f1b stream" in bench._format(row)
 
 
 def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():

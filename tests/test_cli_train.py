@@ -5,6 +5,7 @@ behind (strict history.json with validation points, loss.png) and what its progr
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -76,6 +77,22 @@ def test_history_is_strict_json_with_validation_points_and_a_picture(tmp_path, c
     assert f"validation loss {rows[-1]['val_loss']:.4f}" in out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_a_stream_trains_resumes_and_equals_an_uninterrupted_stream(tmp_path, capsys, one_thread):
+    """--stream: the checkpoint of step 2 is written after a drain, so the run resumed from it and the one that
+    went on end at the same loss."""
+    common = [*TINY, "--stream", "--save-every", "2", "--eval-every", "0", "--steps", "4"]
+    assert main([*common, "--run-dir", str(tmp_path / "on")]) == 0, capsys.readouterr().err
+    on = capsys.readouterr().out.strip().splitlines()[-1]
+    shutil.copytree(tmp_path / "on", tmp_path / "re")
+    shutil.rmtree(tmp_path / "re" / "checkpoint" / "step-00000004")  # resume from the mid-run checkpoint
+    assert main([*common, "--resume", "--run-dir", str(tmp_path / "re")]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip().splitlines()[-1] == on
+    went_on, resumed = (_strict(tmp_path / d / "history.json")["history"] for d in ("on", "re"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in went_on]  # bit for bit, steps 3 and 4 included
+    assert main([*TINY, "--stream", "--schedule", "1f1b", "--steps", "1", "--run-dir", str(tmp_path / "s")]) == 2
+    assert "stream=True" in capsys.readouterr().err
 
 
 def test_the_loss_picture_draws_validation_beside_training():

@@ -9,7 +9,8 @@ no per-action test of what has arrived (that test cost ~4 % of a step of bench_r
 Each device runs exactly the operations it runs under the distributed executor, on the same values (an activation is
 copied, as on the wire; an input gradient, which its sender never reads again, is handed over), so with the
 same seed, thread count and schedule the numbers agree bit for bit (sums over more than two members may differ
-in the last bit: gloo adds in its own order).
+in the last bit: gloo adds in its own order). A stream's output whose consumer runs in the next call
+(``stream.Carried``) is kept until that call's ``CARRY`` entry hands it over.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ..schedules.actions import Forward, Step, Sync
 from .executor import describe_failure
 from .plan import COMPUTE, STEP, SYNC, WEIGHT, Plan, PipelineError
+from .stream import CARRY, Carried
 from .worker import DeviceWorker
 
 __all__ = ["Emulator", "run_order"]
@@ -40,6 +42,7 @@ class Emulator:
         self.plan, self.workers = plan, workers
         self.stop_requested = False  # ``Pipeline.request_stop``: reported as ``stats["stop"]``
         self._orders: dict[int, tuple[Plan, list]] = {}  # id(plan) -> (plan, its run order as _order gives it)
+        self.carried: dict = {}  # a stream's outputs whose consumers run in the next call (``stream.Carried``)
 
     def run(self, plan: Plan, inputs, targets, *, train: bool = True, clip_norm: float | None = None) -> dict:
         D = plan.num_devices
@@ -53,6 +56,7 @@ class Emulator:
         grad_norm = float("nan")
         coef: float | None = None
         phase = None  # a synchronous schedule's (busy, wall) up to its first Step, as the executor reports them
+        carried = self.carried
         for kind, d, a, src, out_key, index, run, copy in order:
             try:
                 if kind is COMPUTE:
@@ -64,7 +68,12 @@ class Emulator:
                             raise RuntimeError("its input never arrived: the action that feeds it returned nothing")
                     out = run(a, data)
                     if out is not None and out_key is not None:
-                        inbox[out_key] = _copy(out) if copy else out
+                        if copy is None:  # its consumer runs in the next call (a stream): kept until then
+                            carried[out_key] = out
+                        else:
+                            inbox[out_key] = _copy(out) if copy else out
+                elif kind is CARRY:
+                    inbox[out_key] = carried.pop(out_key)
                 elif kind is WEIGHT:
                     workers[d].backward_weight(a)
                 elif kind is SYNC:
@@ -94,8 +103,9 @@ class Emulator:
         if inbox:
             raise PipelineError(f"messages never consumed: {list(inbox)[:4]}")
         busy, wall = phase or (sum(w.busy for w in workers), time.perf_counter() - t0)
-        losses = torch.stack([v for w in workers for v in w.losses.values()]).double().tolist()  # one copy
-        return {"loss": sum(losses) / len(losses), "grad_norm": grad_norm,
+        losses = [v for w in workers for v in w.losses.values()]
+        losses = torch.stack(losses).double().tolist() if losses else []  # one copy (a stream's drain has none)
+        return {"loss": sum(losses) / len(losses) if losses else float("nan"), "grad_norm": grad_norm,
                 "busy": busy / D, "wall": wall, "bubble": 1.0 - busy / (D * max(wall, 1e-12)),
                 "nonfinite": sum(len(w.nonfinite) for w in workers), "stop": self.stop_requested}
 
@@ -113,9 +123,11 @@ class Emulator:
                 forward = isinstance(a, Forward)
                 run = (w.forward if forward else w.backward) if kind is COMPUTE else None
                 # an activation crossing devices is copied, as on the wire; the sender keeps its own (its graph).
-                # Input gradients are handed over: nobody on the sender reads them again
-                copy = forward and out_to is not None and not out_to.local
-                steps.append((kind, d, a, src, None if out_to is None else own[out_to.to_op], index, run, copy))
+                # Input gradients are handed over: nobody on the sender reads them again. None: kept for the
+                # next call (``stream.Carried``: a backward's output, handed over then)
+                copy = None if type(out_to) is Carried else forward and out_to is not None and not out_to.local
+                key = None if out_to is None else own.get(out_to.to_op, out_to.to_op)
+                steps.append((kind, d, a, src, key, index, run, copy))
             known = self._orders[id(plan)] = (plan, steps)
         return known[1]
 
@@ -173,8 +185,10 @@ def run_order(plan: Plan) -> list[tuple]:
                         if a not in arrived:
                             break
                         arrived.remove(a)
-                    if out_to is not None:
+                    if out_to is not None and type(out_to) is not Carried:
                         arrived.add(out_to.to_op)
+                elif kind is CARRY:  # a stream's output kept from the last call
+                    arrived.add(out_to.to_op)
                 elif kind is SYNC:
                     k = seen[d].get(a, 0)
                     members = sorted(set(a.devices) | {d})

@@ -3,7 +3,8 @@
 - Compute actions: the input comes from a local hand-off (chunks of one micro-batch on this device, e.g.
   BitPipe's V-turn), from the data (stage 0), or from ``comm.P2P`` (waited on just before the compute);
   the output is posted at once to its consumer (``dataflow.output_transfer``). A split backward's ``I`` moves
-  data like a backward; its ``W`` has no input and no output.
+  data like a backward; its ``W`` has no input and no output. In a stream's segment (``stream``) an output
+  whose consumer runs in the next call is kept (``Carried``) and sent by that call's first action (``CARRY``).
 - ``Sync``: all-reduce (sum) of the local chunks' gradients over the process group of the listed pipeline
   devices; with ``dp`` it also spans the data-parallel copies and divides by their number (a sum over mirror
   copies, a mean over replicas); listing no devices, it is that mean alone (``Pipeline(dp=...)`` builds its
@@ -41,6 +42,7 @@ from .comm import P2P
 from .faults import is_connection_loss
 from .plan import COMPUTE, STEP, SYNC, WEIGHT, Plan, PipelineError
 from .scalars import RankSum
+from .stream import CARRY, Carried
 from .watchdog import COLLECTIVE
 from .worker import DeviceWorker
 
@@ -112,6 +114,8 @@ class Executor:
         # set by ``Pipeline.request_stop`` (a signal handler): sent with the next iteration's scalars, so every
         # rank learns at the same iteration that some rank asked the job to stop (``stats["stop"]``)
         self.stop_requested = False
+        # a stream's outputs whose consumers run in the next call (``stream.Carried``): sent at its start
+        self.carried: dict = {}
 
     def _wait(self, work, what: str, peer: int) -> None:
         self._doing(f"waiting for {what}", peer)
@@ -153,8 +157,13 @@ class Executor:
                     if out is not None and out_to is not None:
                         if out_to.local:
                             w.local[out_to.to_op] = out
+                        elif type(out_to) is Carried:  # its consumer runs in the next call (a stream)
+                            self.carried[out_to.to_op] = out
                         else:
                             self.p2p.send(out_to.dst, out_to.to_op, out)
+                elif kind is CARRY:
+                    doing(action)
+                    self.p2p.send(out_to.dst, out_to.to_op, self.carried.pop(out_to.to_op))
                 elif kind is SYNC:
                     doing(action, COLLECTIVE)
                     group = self.groups.sync[(tuple(sorted(action.devices)), action.dp)]
@@ -215,7 +224,7 @@ class Executor:
         if norm_reduced and not math.isfinite(grad_norm):
             skipped = plan.num_steps  # every Step of the pipeline was skipped, on every rank
         D = plan.num_devices * self.dp_size
-        return {"loss": loss_sum / count, "grad_norm": grad_norm, "busy": busy / D, "wall": wall / D,
+        return {"loss": loss_sum / count if count else float("nan"), "grad_norm": grad_norm, "busy": busy / D, "wall": wall / D,
                 "bubble": 1.0 - busy / max(wall, 1e-12),
                 "nonfinite": round(skipped / (1 if synchronous else self.dp_size)),  # replicas skip the same
                 "stop": stops > 0}

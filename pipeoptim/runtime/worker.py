@@ -107,14 +107,20 @@ class DeviceWorker:
         self.train = True
         self.busy = 0.0
         self.ties: list = []  # tied.TieGroup, the same list on every rank (set by the Pipeline)
-        self._abouts: dict = {}  # compute action -> what _about derives for it from the plan
+        self._abouts: dict = {}  # compute action -> what _about derives for it from the plan being run
+        self._abouts_by_plan: dict = {}  # id(plan) -> (plan, its _abouts): a stream's segments relabel actions
         self._seeds: dict = {}   # (shape, dtype, device, loss scale) -> _loss_seed's tensor
 
     # ---- iteration -------------------------------------------------------------------------------------
     def begin(self, inputs: list[tuple], targets: list, *, train: bool = True, plan: Plan | None = None) -> None:
-        self.run_plan = plan or self.plan
+        self.run_plan = plan = plan or self.plan
         self.inputs, self.targets, self.train = inputs, targets, train
-        self.saved: dict = {}
+        if not getattr(plan, "carries_in", False):  # (a stream's segment: the last call's forwards are in flight)
+            self.saved: dict = {}
+        known = self._abouts_by_plan.get(id(plan))
+        if known is None or known[0] is not plan:
+            known = self._abouts_by_plan[id(plan)] = (plan, {})
+        self._abouts = known[1]
         self.weight_work: dict = {}   # (mb, chunk) -> what a split backward's W still has to compute
         self.losses: dict[int, torch.Tensor] = {}
         self.local: dict = {}
@@ -125,7 +131,11 @@ class DeviceWorker:
                 st.module.train(train)
 
     def end(self) -> None:
-        if self.saved:
+        in_flight = getattr(self.run_plan, "in_flight_after", None)
+        if in_flight is not None and set(self.saved) != in_flight[self.device]:
+            raise RuntimeError(f"device {self.device} ended a stream segment with forwards {sorted(self.saved)} "
+                               f"in flight where the stream keeps {sorted(in_flight[self.device])}")
+        if self.saved and in_flight is None:
             left = ", ".join(str(k) for k in list(self.saved)[:4])
             raise RuntimeError(f"device {self.device} ended the iteration with forwards that never ran backward: "
                                f"{left}; the schedule misses their Backward actions")
@@ -151,9 +161,9 @@ class DeviceWorker:
         if about is None:
             chunk = op.chunk
             key = (op.mb, chunk)
-            s = self.plan.s_forward(op) if isinstance(op, Forward) else 0
-            about = self._abouts[op] = (self.stages[chunk], self.plan.is_last(chunk), s,
-                                        self.plan.s_backward.get(key, 0), key)
+            plan = self.run_plan
+            s = plan.s_forward(op) if isinstance(op, Forward) else 0
+            about = self._abouts[op] = (self.stages[chunk], plan.is_last(chunk), s, plan.s_backward.get(key, 0), key)
         return about
 
     def forward(self, op: Forward, received: tuple | None) -> tuple | None:

@@ -12,7 +12,8 @@ see different weight versions (``staleness.version_difference`` counts how many 
   ahead of the update that applies it on every stage (``staleness.version_difference``).
 
 The window covers ``microbatches`` micro-batches: the warm-up, the steady state and the drain of a stream
-that a training run would continue indefinitely.
+that a training run would continue indefinitely. ``Pipeline(stream=True)`` runs async-1f1b and 2bw as that
+stream: one fill, then every ``train_step`` a steady segment, a drain only when asked (``runtime.stream``).
 """
 from __future__ import annotations
 
