@@ -35,7 +35,13 @@ per stage on 4 stages, 1 on 8) and ``gpt`` (a byte-level GPT of ~25M parameters,
 micro-batches of 1 x 64 tokens; [embedding, 8 blocks, head] cut 3|2|2|3 on 4 stages and 2|1|1|1|1|1|1|2 on 8).
 Every schedule trains the same model from the same weights; only the cut differs.
 
-    python benchmarks/bench_runtime_peer.py [--models tiny gpt] [--rounds 15] [--optimizer adamw-fused] [--csv PATH]
+    python benchmarks/bench_runtime_peer.py [--models tiny gpt] [--rounds 15] [--optimizer adamw-fused] [--ranks 2]
+        [--csv PATH]
+
+``--ranks 2`` runs the side-by-side rows on 2 processes, the model cut in 2 stages (4 for interleaved and ZBV;
+tiny: 4 blocks per stage, GPT: [embedding, 4 blocks | 4 blocks, head]): on a 2-core machine each rank then has a
+core of its own, and a rank waiting in a fill or drain leaves it idle, as a GPU would; on 4 processes sharing 2
+cores a waiting rank's core goes to another rank, so a flush costs nothing there.
 
 ``--optimizer adamw-fused`` makes both runtimes (and the one-process rows' plain and staged steps) step torch's
 ``AdamW(fused=True)`` instead of its default (on the CPU, one loop per parameter): an asynchronous schedule
@@ -63,28 +69,31 @@ SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "Schedu
 # carry from one train_step to the next); the first row of a schedule names its default policy
 ASYNC = (("async-1f1b", "none", False), ("async-1f1b", "none", True), ("async-1f1b", "pipeoptim", True),
          ("2bw", "2bw", True))
-STAGES = 4                       # processes (pipeline devices)
+STAGES = 4                       # processes (pipeline devices) of the side-by-side rows; --ranks 2: 2
 TWO_PER_RANK = ("interleaved", "zbv")
-_GPT_CUTS = {4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}   # over [embedding, 8 blocks, head]
+_GPT_CUTS = {2: [0, 5, 10], 4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}  # over [embedding, 8 blocks, head]
 
 
-def num_stages(schedule: str) -> int:
-    return 2 * STAGES if schedule in TWO_PER_RANK else STAGES
+def num_stages(schedule: str, ranks: int = STAGES) -> int:
+    return 2 * ranks if schedule in TWO_PER_RANK else ranks
 
 
-def rank_stages(schedule: str, rank: int) -> list[int]:
+def rank_stages(schedule: str, rank: int, ranks: int = STAGES) -> list[int]:
     """The stages torch's schedule class puts on ``rank``, in the order its stage list takes them."""
     if schedule == "interleaved":
-        return [rank, rank + STAGES]
+        return [rank, rank + ranks]
     if schedule == "zbv":
-        return [rank, 2 * STAGES - 1 - rank]
+        return [rank, 2 * ranks - 1 - rank]
     return [rank]
 
 
 def _tiny_stage(i: int, stages: int = STAGES) -> nn.Module:
-    """The same 8 Linear-Tanh blocks on 4 stages (2 each) or 8 (1 each): stage i of 8 is half of stage i // 2."""
+    """The same 8 Linear-Tanh blocks on 4 stages (2 each), 8 (1 each) or 2 (4 each): stage i of 8 is half of
+    stage i // 2 of 4, stage i of 2 is stages 2i and 2i + 1 of 4."""
     if stages == 2 * STAGES:
         return _tiny_stage(i // 2)[2 * (i % 2):2 * (i % 2) + 2]
+    if stages == STAGES // 2:
+        return nn.Sequential(*_tiny_stage(2 * i), *_tiny_stage(2 * i + 1))
     torch.manual_seed(1000 + i)
     return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
 
@@ -141,20 +150,21 @@ def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | N
 
     from pipeoptim.train import Pipeline
 
-    total = num_stages(schedule)
+    ranks = int(os.environ["WORLD_SIZE"])  # (set by launch; the process group starts inside the Pipeline)
+    total = num_stages(schedule, ranks)
     ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
                     schedule=schedule, policy=_policy(schedule, policy), microbatches=n, stream=stream)
     peer = peer or (schedule if schedule in SYNC else None)
     if peer is None:
         return ours, None, {}
     rank = dist.get_rank()
-    mine = rank_stages(peer, rank)
+    mine = rank_stages(peer, rank, ranks)
     if peer == schedule:
         placed = [c.stage for c in ours.schedule.chunks[rank]]
         if placed != mine:
             raise RuntimeError(f"{schedule}: pipeoptim puts stages {placed} on rank {rank}, torch's "
                                f"{SYNC[schedule]} puts {mine} there; the two runtimes would not run the same work")
-    total = num_stages(peer)
+    total = num_stages(peer, ranks)
     modules = [_stage(model, i, total) for i in mine]
     stages = [PipelineStage(m, i, total, torch.device("cpu"), group=dist.group.WORLD) for m, i in zip(modules, mine)]
     sched = getattr(torch_schedules, SYNC[peer])(stages if len(stages) > 1 else stages[0], n, loss_fn=_loss(model))
@@ -359,7 +369,7 @@ def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
     paired, low, high = paired_ratio(times["pipeoptim"], times[peer])
     cpu = {"cpu_s": "", "peer_cpu_s": "", "cpu_paired_ratio": "", "cpu_paired_ratio_90ci": ""}
-    if "pipeoptim cpu" in times and f"{peer} cpu" in times:  # the 4-process rows: CPU summed over the ranks
+    if "pipeoptim cpu" in times and f"{peer} cpu" in times:  # the multi-process rows: CPU summed over the ranks
         ours_cpu, theirs_cpu = times["pipeoptim cpu"], times[f"{peer} cpu"]
         c_paired, c_low, c_high = paired_ratio(ours_cpu, theirs_cpu)
         cpu = {"cpu_s": round(statistics.median(ours_cpu), 5), "peer_cpu_s": round(statistics.median(theirs_cpu), 5),
@@ -390,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                     help="what both runtimes step: torch's AdamW (default) or AdamW(fused=True), one kernel per "
                          "step (an asynchronous schedule steps after every micro-batch or every few)")
+    ap.add_argument("--ranks", type=int, choices=[2, STAGES], default=STAGES,
+                    help="processes of the side-by-side rows (default 4; 2: a core per rank on a 2-core machine, "
+                         "where a rank that waits leaves its core idle, as a GPU would; the model is cut in 2)")
     ap.add_argument("--csv", default=None, help="output CSV (default: runs/bench_runtime_peer/<time>.csv)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0:
@@ -403,28 +416,29 @@ def main(argv=None) -> int:
     from pipeoptim.runtime import launch
 
     rows = []
+    ranks, setting = args.ranks, f"{args.ranks} processes"
     for model in args.models:
         ns = args.microbatches if model == "tiny" else [8]
         for n in ([] if args.emulated_only else ns):
             best = None
             for schedule in SYNC:
-                if schedule == "interleaved" and n % STAGES:
+                if schedule == "interleaved" and n % ranks:
                     print(f"{model} interleaved N={n}: skipped (pipeoptim's interleaved needs N a multiple of "
-                          f"{STAGES})", flush=True)
+                          f"{ranks})", flush=True)
                     continue
-                per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, args.warmup, None,
+                per_rank = launch(rank_job, ranks, model, schedule, n, args.rounds, args.warmup, None,
                                   args.optimizer, timeout_s=3600)
                 times = per_rank[0]
-                rows.append(_row(model, "4 processes", schedule, n, times, "torch", schedule, args.optimizer))
+                rows.append(_row(model, setting, schedule, n, times, "torch", schedule, args.optimizer))
                 torch_median = statistics.median(times["torch"])
                 if best is None or torch_median < best[1]:
                     best = (schedule, torch_median)
                 print(_format(rows[-1]), flush=True)
             if not args.no_async:
                 for schedule, policy, stream in ASYNC:
-                    per_rank = launch(rank_job, STAGES, model, schedule, n, args.rounds, max(args.warmup, 1),
+                    per_rank = launch(rank_job, ranks, model, schedule, n, args.rounds, max(args.warmup, 1),
                                       best[0], args.optimizer, policy, stream, timeout_s=3600)
-                    rows.append(_row(model, "4 processes", schedule, n, per_rank[0], "torch", best[0],
+                    rows.append(_row(model, setting, schedule, n, per_rank[0], "torch", best[0],
                                      args.optimizer, policy, stream))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
                           "side by side)", flush=True)

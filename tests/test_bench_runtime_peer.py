@@ -142,6 +142,19 @@ def test_a_streamed_row_carries_its_micro_batches_from_one_timed_step_to_the_nex
     assert row["stream"] is True and "async-1f1b stream" in bench._format(row)
 
 
+def test_on_two_ranks_every_runtime_trains_the_same_model_cut_in_two():
+    """--ranks 2: the 2-stage cut is the 4-stage one joined pairwise, and both runtimes still take the same first
+    step (rank_job raises otherwise), for a synchronous row and a streamed asynchronous one."""
+    for k in range(2):
+        two = list(bench._stage("tiny", k, 2).parameters())
+        four = [p for i in (2 * k, 2 * k + 1) for p in bench._stage("tiny", i).parameters()]
+        assert len(two) == len(four) and all(torch.equal(a, b) for a, b in zip(two, four))
+    assert bench.num_stages("zbv", 2) == 4 and bench.rank_stages("zbv", 1, 2) == [1, 2]
+    for schedule, peer, stream in (("interleaved", None, False), ("2bw", "1f1b", True)):
+        per_rank = launch(bench.rank_job, 2, "tiny", schedule, 4, 1, 1, peer, "adamw", None, stream, timeout_s=240)
+        assert len(per_rank) == 2 and all(len(t["pipeoptim"]) == 1 for t in per_rank)
+
+
 def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():
     """Its peer may cut the model differently (interleaved: 8 stages for pipeoptim's 4)."""
     for peer in ("gpipe", "interleaved"):

@@ -109,10 +109,12 @@ def _long_window(case, calls=CALLS):
 
 STREAM_CASES = [("async-1f1b", "none", 4, 4, 1, {}), ("async-1f1b", "stash", 4, 4, 1, {}),
                 ("async-1f1b", "pipeoptim", 4, 4, 1, {"policy_options": {"fused": False}}),
-                ("2bw", "2bw", 4, 8, 1, {}), ("async-1f1b", "none", 2, 8, 1, {})]
+                ("2bw", "2bw", 4, 8, 1, {}), ("async-1f1b", "none", 2, 8, 1, {}),
+                ("async-1f1b", "stash", 4, 4, 1, {"precision": "bf16"}),
+                ("async-1f1b", "pipeoptim", 4, 4, 1, {"checkpoint_stages": True, "policy_options": {"fused": False}})]
 
 
-@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"{c[0]}-{c[1]}-D{c[2]}-N{c[3]}")
+@pytest.mark.parametrize("case", STREAM_CASES, ids=lambda c: f"{c[0]}-{c[1]}-D{c[2]}-N{c[3]}-{'-'.join(c[5])}")
 def test_a_stream_of_calls_and_its_drain_equal_one_long_window_bit_for_bit(case, one_thread):
     loss, want = _long_window(case)
     pipe = rc.make_pipeline(case, emulate=True, stream=True)
