@@ -388,7 +388,8 @@ class Pipeline:
         plan = self.stream.drain() if self.stream is not None else None
         if plan is None:
             return
-        stats = self._runner.run(plan, [], [], train=True, clip_norm=self.clip_norm)
+        with torch.enable_grad():  # (eval_step, under no_grad, drains first; a recomputing backward needs a graph)
+            stats = self._runner.run(plan, [], [], train=True, clip_norm=self.clip_norm)
         self.stream.advance(plan)
         if stats.get("nonfinite", 0):
             self._nonfinite(self.last_stats.get("loss", float("nan")), stats["nonfinite"])

@@ -149,8 +149,10 @@ def test_a_stream_keeps_micro_batches_in_flight_between_calls_where_windows_drai
 
 
 # ---- reading or replacing the weights drains first -----------------------------------------------------------
-def test_eval_drains_and_the_next_call_fills_again(one_thread):
-    case = ("async-1f1b", "pipeoptim", 4, 4, 1, {})
+@pytest.mark.parametrize("opts", [{}, {"checkpoint_stages": True}], ids=["", "recompute"])
+def test_eval_drains_and_the_next_call_fills_again(opts, one_thread):
+    """eval_step runs under no_grad; its drain's backwards (a recomputing one too) still get their graph."""
+    case = ("async-1f1b", "pipeoptim", 4, 4, 1, opts)
     pipe = rc.make_pipeline(case, emulate=True, stream=True)
     pipe.train_step(rc.batch(0))
     pipe.train_step(rc.batch(1))
