@@ -37,7 +37,9 @@ traffic.
 
 On the CPU, the cpu backend writes a separate output with streaming stores when the op's buffers are
 larger than the last-level cache (the auto mode users get); the "ordinary stores" rows force them off,
-so the table shows what skipping the output's read-for-ownership is worth on this machine.
+so the table shows what skipping the output's read-for-ownership is worth on this machine. The "no
+prefetch" rows turn the cpu backend's software prefetch off (its distance, per instruction set, is in the
+header; 0 means those rows time the same code), so a run shows what it is worth on the machine it runs on.
 """
 from __future__ import annotations
 
@@ -245,6 +247,17 @@ def ordinary_stores(fn):
     return run
 
 
+def no_prefetch(fn):
+    """fn run with the cpu backend's software prefetch turned off."""
+    def run():
+        previous = pk.compiled.load().set_cpu_prefetch(0)
+        try:
+            fn()
+        finally:
+            pk.compiled.load().set_cpu_prefetch(previous)
+    return run
+
+
 def predict_bytes(plan: rules.PredictPlan) -> int:
     return 4 * (1 + len(plan.tensors())) + 4
 
@@ -291,6 +304,8 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
     }
     if device == "cpu":
         variants["cpu ordinary stores"] = ordinary_stores(variants[compiled_backend])
+        variants["cpu no prefetch"] = no_prefetch(variants[compiled_backend])
+        variants["cpu in place, no prefetch"] = no_prefetch(variants["cpu in place"])
     if gpu_rows:
         out_bf16 = torch.empty(n, device=device, dtype=torch.bfloat16)
         variants[f"{compiled_backend} bf16 out"] = lambda: pk.predict(rule, b.w, b.state, b.group, step=step, s=s,
@@ -312,6 +327,7 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
             "adam", b.w, b.grad, st, b.group, step=step, s=s, out=b.out, backend=compiled_backend)
         if device == "cpu":
             variants["cpu step+predict ordinary stores"] = ordinary_stores(variants["cpu step+predict"])
+            variants["cpu step+predict, no prefetch"] = no_prefetch(variants["cpu step+predict"])
         # ŵ written over the gradient, which the step has finished reading (its own copy: it is consumed).
         spent_grad = b.grad.clone()
         variants[f"{compiled_backend} step+predict, ŵ over grad"] = lambda: pk.step_predict(
@@ -344,7 +360,8 @@ def bench_rule(rule: str, n: int, device: str, rounds: int, compiled_backend: st
     times = {k: statistics.median(v) for k, v in round_times.items()}
     vs_fused = {k: ratio(round_times, k, FUSED) for k in times} if FUSED in times else {}
     nbytes = predict_bytes(plan)
-    byte_table = {"copy": 8, f"{compiled_backend} in place": nbytes, FUSED: 28,
+    byte_table = {"copy": 8, f"{compiled_backend} in place": nbytes, "cpu in place, no prefetch": nbytes, FUSED: 28,
+                  "cpu step+predict, no prefetch": 32,
                   "torch fused Adam step, parameter list": 28, "torch foreach Adam step, parameter list": 28,
                   f"{compiled_backend} bf16 out": nbytes - 2, "triton step+predict": 32,
                   f"{compiled_backend} step+predict": 32, "cpu step+predict ordinary stores": 32,
@@ -412,10 +429,15 @@ def summarize(rows: list[dict], compiled_backend: str) -> list[str]:
                      + f" (target <= {CPU_PREDICT_TARGET:.2f} on CPU)")
             if floor:
                 line += (f"\n{pad}addcmul_ with in-place predict's traffic {_timed(floor)} = {_vs_fused(floor)}; "
-                         f"in-place predict takes {ip['ms'] / floor['ms']:.2f}x its time")
+                         f"in-place predict runs at {floor['ms'] / ip['ms']:.2f}x its speed")
+                ip_off = get("cpu in place, no prefetch")
+                if ip_off:
+                    line += f" ({floor['ms'] / ip_off['ms']:.2f}x with no prefetch)"
             line += (f"\n{pad}step+predict {_timed(sp)} = {_vs_fused(sp)}"
                      + (f", ordinary stores {_vs_fused(get('cpu step+predict ordinary stores'))}"
                         if get("cpu step+predict ordinary stores") else "")
+                     + (f", no prefetch {_vs_fused(get('cpu step+predict, no prefetch'))}"
+                        if get("cpu step+predict, no prefetch") else "")
                      + f", ŵ over grad {_vs_fused(over_grad)} (target <= {CPU_STEP_TARGET:.2f} on CPU); "
                      f"{both['ms'] / sp['ms']:.2f}x faster than the fused step then predict ({_ms(both['ms'])} ms)")
         lines.append(line)
@@ -533,7 +555,8 @@ def main(argv=None) -> int:
     header = f"# {command}\n# torch {torch.__version__}, " + (
         f"{torch.cuda.get_device_name()}, {args.calls} calls per round" if args.device == "cuda" else
         f"threads {torch.get_num_threads()}, cpu isa {pk.compiled.cpu_isa()}, cpu streaming stores from "
-        f"{pk.compiled.load().cpu_stream_threshold_bytes() / 2**20:.0f} MiB per op") + f", rounds {args.rounds}"
+        f"{pk.compiled.load().cpu_stream_threshold_bytes() / 2**20:.0f} MiB per op, cpu prefetch "
+        f"{pk.compiled.load().cpu_prefetch_bytes()} B ahead") + f", rounds {args.rounds}"
     print(header, flush=True)
     out = Path(args.out) if args.out else fresh_output_folder() / f"kernels_{args.device}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,8 @@ const char* selected_isa();
 std::string set_isa(const std::string& name);
 int set_stream_mode(int mode);
 int64_t stream_threshold_bytes();
+int64_t set_prefetch_bytes(int64_t bytes);
+int64_t prefetch_bytes();
 }
 }  // namespace pipeoptim
 
@@ -33,6 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "streaming stores for separate outputs on the CPU: -1 auto, 0 off, 1 on; returns the previous mode");
   m.def("cpu_stream_threshold_bytes", &pipeoptim::cpu::stream_threshold_bytes,
         "output size from which the CPU kernels stream in auto mode (the last-level cache)");
+  m.def("set_cpu_prefetch", &pipeoptim::cpu::set_prefetch_bytes,
+        "how many bytes ahead the CPU loops prefetch their inputs: -1 the instruction set's default, 0 off; "
+        "returns the previous setting");
+  m.def("cpu_prefetch_bytes", &pipeoptim::cpu::prefetch_bytes,
+        "how many bytes ahead the CPU loops prefetch now (the setting, or the instruction set's default)");
   m.def("cpu_isa", &pipeoptim::cpu::selected_isa, "the instruction set the CPU loops run with");
   m.def("set_cpu_isa", &pipeoptim::cpu::set_isa,
         "run the CPU loops compiled for another instruction set this processor supports (avx512, avx2, generic); "

@@ -29,7 +29,8 @@ def test_quick_run_makes_every_gpu_row(tmp_path, capsys):
     adam = {r["variant"] for r in rows if r["rule"] == "adam"}
     assert {"copy", "per-tensor torch loop", "cpu", "cpu bf16 out", "torch fused Adam step",
             "torch fused Adam step, parameter list", "torch foreach Adam step, parameter list",
-            "cpu step+predict", "torch fused Adam step + predict"} <= adam
+            "cpu step+predict", "torch fused Adam step + predict", "cpu no prefetch", "cpu in place, no prefetch",
+            "cpu step+predict, no prefetch"} <= adam
     if "triton" in bench.pk.available_backends():
         assert {"triton", "triton step+predict"} <= adam
     assert all(float(r["ms"]) > 0 and float(r["speedup_vs_torch_loop"]) >= 0 for r in rows)
@@ -123,3 +124,16 @@ def test_rows_already_measured_survive_a_later_failure(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="killed"):
         bench.main(["--device", "cpu", "--quick", "--rules", "adam,sgd", "--out", str(out), "--no-plot"])
     assert {r["rule"] for r in _rows(out)} == {"adam"}
+
+
+def test_no_prefetch_rows_turn_prefetch_off_and_restore_it():
+    """A "no prefetch" row runs its kernel with the cpu backend's prefetch at 0, and leaves the setting as it was."""
+    module = bench.pk.compiled.load()
+    previous = module.set_cpu_prefetch(512)
+    try:
+        seen = []
+        bench.no_prefetch(lambda: seen.append(module.cpu_prefetch_bytes()))()
+        assert seen == [0]
+        assert module.cpu_prefetch_bytes() == 512
+    finally:
+        module.set_cpu_prefetch(previous)

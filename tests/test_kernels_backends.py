@@ -151,6 +151,26 @@ def test_streaming_stores_give_the_same_bits_as_ordinary_stores(dtype, offset):
         assert torch.equal(a, b), f"seed={seed}"
 
 
+@pytest.mark.parametrize("offset", [0, 5])
+@pytest.mark.parametrize("dtype", OUT_TYPES, ids=str)
+def test_software_prefetch_gives_the_same_bits(dtype, offset):
+    """Every loop with its inputs prefetched 64 B, 1 KiB or further than the buffers reach (the bound on
+    the last lines), with ordinary and streaming stores: the same bits as without prefetching, in the loops
+    of every vector instruction set this processor runs (each prefetches only when it runs on vectors)."""
+    module = compiled.load()
+    seed = int.from_bytes(os.urandom(4), "little")
+    for name in [name for name in ("avx512", "avx2") if _runs(module, name)]:
+        results = {}
+        for ahead in (0, 64, 1024, 1 << 20):
+            for mode in (0, 1):
+                run = (lambda call, ahead=ahead, mode=mode: _with_setting("set_cpu_isa", name, lambda: _with_setting(
+                    "set_cpu_prefetch", ahead, lambda: _with_setting("set_cpu_stream", mode, call))))
+                results[ahead, mode] = _loop_results(torch.Generator().manual_seed(seed), dtype, offset, run)
+        for key, got in results.items():
+            for a, b in zip(results[0, 0], got):
+                assert torch.equal(a, b), f"{name}, prefetch {key[0]} B, stream={key[1]}; seed={seed}"
+
+
 @pytest.mark.parametrize("dtype", OUT_TYPES, ids=str)
 def test_every_instruction_set_gives_the_same_bits(dtype):
     """The loops compiled for each instruction set this processor runs (CI's has AVX-512, so the AVX2 and
@@ -186,7 +206,9 @@ def test_unknown_or_unsupported_instruction_set_is_refused():
 
 
 @pytest.mark.parametrize("name, value, message", [("PIPEOPTIM_CPU_ISA", "sse9", "unknown instruction set 'sse9'"),
-                                                   ("PIPEOPTIM_CPU_STREAM", "yes", "must be 1 .* got 'yes'")])
+                                                   ("PIPEOPTIM_CPU_STREAM", "yes", "must be 1 .* got 'yes'"),
+                                                   ("PIPEOPTIM_CPU_PREFETCH", "yes", "must be how many bytes .* got 'yes'"),
+                                                   ("PIPEOPTIM_CPU_PREFETCH", "-64", "from 0 \\(off\\) .* got '-64'")])
 def test_bad_cpu_setting_in_the_environment_is_refused_before_writing(name, value, message):
     code = ("import torch, pipeoptim_kernels as pk\n"
             "w = torch.randn(100); out = torch.zeros(100)\n"
@@ -221,6 +243,40 @@ def test_stream_mode_from_the_environment(flag, mode):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == str(mode)
+
+
+ISA_PREFETCH_BYTES = {"avx512": 0, "avx2": 1024, "generic": 0}
+
+
+@pytest.mark.parametrize("flag, isa, expected", [(None, None, None), ("", None, None), ("0", None, 0),
+                                                 ("512", None, 512), (None, "generic", 0)])
+def test_prefetch_distance_from_the_environment(flag, isa, expected):
+    """PIPEOPTIM_CPU_PREFETCH: unset means the instruction set's own distance (what measured best where it was
+    measured), a number of bytes otherwise; the baseline loops, which have no vectors, do not prefetch."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPEOPTIM_CPU_PREFETCH", "PIPEOPTIM_CPU_ISA")}
+    if flag is not None:
+        env["PIPEOPTIM_CPU_PREFETCH"] = flag
+    if isa is not None:
+        env["PIPEOPTIM_CPU_ISA"] = isa
+    code = "from pipeoptim_kernels import compiled; m = compiled.load(); print(m.cpu_isa(), m.cpu_prefetch_bytes())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    name, got = done.stdout.split()[-2:]
+    assert int(got) == (ISA_PREFETCH_BYTES[name] if expected is None else expected)
+
+
+def test_prefetch_setting_rejects_out_of_range_distances_and_restores():
+    module = compiled.load()
+    for bad in (-2, (1 << 20) + 1):
+        with pytest.raises(RuntimeError, match="bytes must be -1 .* or from 0 \\(off\\) to 1048576"):
+            module.set_cpu_prefetch(bad)
+    previous = module.set_cpu_prefetch(256)
+    try:
+        assert module.cpu_prefetch_bytes() == 256
+        assert module.set_cpu_prefetch(-1) == 256
+        assert module.cpu_prefetch_bytes() == ISA_PREFETCH_BYTES[module.cpu_isa()]
+    finally:
+        module.set_cpu_prefetch(previous)
 
 
 def test_stream_mode_rejects_unknown_modes_and_auto_uses_the_cache_size():

@@ -5,13 +5,15 @@
 
 #include "../rules.h"
 
-#define PIPEOPTIM_DECLARE_CPU_ENTRY_POINTS                                                            \
+#define PIPEOPTIM_DECLARE_CPU_ENTRY_POINTS                                                           \
   void predict(int64_t n, const float* w, const float* m, const float* g, const float* v,            \
-               const float* vc, void* out, int out_kind, int den, const PredictCoeffs& c, bool stream); \
+               const float* vc, void* out, int out_kind, int den, const PredictCoeffs& c, bool stream, \
+               int64_t ahead);                                                                       \
   void adam_step_predict(int64_t n, float* w, const float* g, float* m, float* v, float* vmax,       \
-                         void* out, int out_kind, const AdamStepCoeffs& c, bool stream);            \
-  void sgd_step_predict(int64_t n, float* w, const float* g, float* buf, void* out, int out_kind,   \
-                        bool nesterov, bool first, const SgdStepCoeffs& c, bool stream);
+                         void* out, int out_kind, const AdamStepCoeffs& c, bool stream, int64_t ahead); \
+  void sgd_step_predict(int64_t n, float* w, const float* g, float* buf, void* out, int out_kind,    \
+                        bool nesterov, bool first, const SgdStepCoeffs& c, bool stream,              \
+                        int64_t ahead);
 
 namespace pipeoptim {
 namespace cpu {

@@ -22,14 +22,17 @@ struct Isa {
   decltype(&generic::predict) predict;
   decltype(&generic::adam_step_predict) adam;
   decltype(&generic::sgd_step_predict) sgd;
+  int64_t prefetch_bytes;  // how far ahead the loops prefetch their inputs by default (loops.h); 0: not at all
 };
 
 // Best first. Every instruction set computes the same bits (no contraction, correctly rounded sqrt and
-// division), so the choice changes only the speed.
+// division), so the choice changes only the speed. The prefetch distances are what measured best where
+// they were measured (an AMD EPYC with AVX2 only; the AVX-512 Xeon gained nothing); the baseline loops
+// have no vectors to prefetch for.
 const Isa kIsas[] = {
-    {"avx512", avx512::predict, avx512::adam_step_predict, avx512::sgd_step_predict},
-    {"avx2", avx2::predict, avx2::adam_step_predict, avx2::sgd_step_predict},
-    {"generic", generic::predict, generic::adam_step_predict, generic::sgd_step_predict},
+    {"avx512", avx512::predict, avx512::adam_step_predict, avx512::sgd_step_predict, 0},
+    {"avx2", avx2::predict, avx2::adam_step_predict, avx2::sgd_step_predict, 1024},
+    {"generic", generic::predict, generic::adam_step_predict, generic::sgd_step_predict, 0},
 };
 
 bool supported(const Isa& isa) {
@@ -108,6 +111,36 @@ int stream_mode() {
   return mode;
 }
 
+// Software prefetch distance in bytes: the instruction set's own (kIsas) unless PIPEOPTIM_CPU_PREFETCH
+// or set_prefetch_bytes() names one; 0 turns it off (the benchmark compares both in one process).
+constexpr int64_t kPrefetchIsaDefault = -1, kPrefetchUnset = -2, kPrefetchMaxBytes = 1 << 20;
+std::atomic<int64_t> g_prefetch_bytes{kPrefetchUnset};
+
+int64_t prefetch_setting() {
+  int64_t bytes = g_prefetch_bytes.load(std::memory_order_relaxed);
+  if (bytes == kPrefetchUnset) {
+    const char* env = std::getenv("PIPEOPTIM_CPU_PREFETCH");
+    const std::string value = env == nullptr ? "" : env;
+    bytes = kPrefetchIsaDefault;
+    if (!value.empty()) {
+      char* end = nullptr;
+      const long long parsed = std::strtoll(value.c_str(), &end, 10);
+      TORCH_CHECK(*end == '\0' && parsed >= 0 && parsed <= kPrefetchMaxBytes,
+                  "PIPEOPTIM_CPU_PREFETCH must be how many bytes ahead the CPU loops prefetch their inputs, from 0 "
+                  "(off) to ", kPrefetchMaxBytes, ", or unset (the instruction set's default); got '", value, "'");
+      bytes = parsed;
+    }
+    g_prefetch_bytes.store(bytes, std::memory_order_relaxed);
+  }
+  return bytes;
+}
+
+// Elements ahead, as the loops take it.
+int64_t prefetch_ahead() {
+  const int64_t bytes = prefetch_setting();
+  return (bytes == kPrefetchIsaDefault ? isa().prefetch_bytes : bytes) / 4;
+}
+
 // Size of the largest cache of CPU 0 as the kernel reports it. sysfs first: in virtual machines
 // sysconf(_SC_LEVEL3_CACHE_SIZE) can report the whole host's cache (320 MiB for a 32 MiB slice).
 int64_t sysfs_cache_bytes() {
@@ -156,10 +189,11 @@ void predict_cpu(const at::Tensor& w, const std::optional<at::Tensor>& m, const 
   const int64_t per_element = 4 + fp32_bytes(a.m) + fp32_bytes(a.g) + fp32_bytes(a.v) + fp32_bytes(a.vc) + osz;
   const bool stream = !a.in_place && should_stream(a.n * per_element);
   const auto fn = isa().predict;
+  const int64_t ahead = prefetch_ahead();
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     void* o = a.in_place ? static_cast<void*>(const_cast<float*>(a.w + b)) : static_cast<char*>(a.out) + b * osz;
     fn(e - b, a.w + b, at_offset(a.m, b), at_offset(a.g, b), at_offset(a.v, b), at_offset(a.vc, b), o, a.out_kind,
-       a.den, a.c, stream);
+       a.den, a.c, stream, ahead);
   });
 }
 
@@ -170,9 +204,10 @@ void adam_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const at
   const bool into_grad = a.out == static_cast<const void*>(a.g);  // the gradient's lines are cached: no stream
   const bool stream = !into_grad && should_stream(a.n * (16 + fp32_bytes(a.vmax) + osz));
   const auto fn = isa().adam;
+  const int64_t ahead = prefetch_ahead();
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, a.m + b, a.v + b, at_offset(a.vmax, b), static_cast<char*>(a.out) + b * osz,
-       a.out_kind, a.c, stream);
+       a.out_kind, a.c, stream, ahead);
   });
 }
 
@@ -183,9 +218,10 @@ void sgd_step_predict_cpu(const at::Tensor& w, const at::Tensor& grad, const std
   const bool into_grad = a.out == static_cast<const void*>(a.g);
   const bool stream = !into_grad && should_stream(a.n * (8 + fp32_bytes(a.buf) + osz));
   const auto fn = isa().sgd;
+  const int64_t ahead = prefetch_ahead();
   at::parallel_for(0, a.n, kGrain, [&](int64_t b, int64_t e) {
     fn(e - b, a.w + b, a.g + b, at_offset(a.buf, b), static_cast<char*>(a.out) + b * osz, a.out_kind, nesterov,
-       first, a.c, stream);
+       first, a.c, stream, ahead);
   });
 }
 
@@ -209,6 +245,17 @@ int set_stream_mode(int mode) {
 }
 
 int64_t stream_threshold_bytes() { return last_level_cache_bytes(); }
+
+int64_t set_prefetch_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes == kPrefetchIsaDefault || (bytes >= 0 && bytes <= kPrefetchMaxBytes),
+              "set_cpu_prefetch: bytes must be -1 (the instruction set's default) or from 0 (off) to ",
+              kPrefetchMaxBytes, "; got ", bytes);
+  const int64_t previous = prefetch_setting();
+  g_prefetch_bytes.store(bytes, std::memory_order_relaxed);
+  return previous;
+}
+
+int64_t prefetch_bytes() { return prefetch_ahead() * 4; }
 
 }  // namespace cpu
 }  // namespace pipeoptim
