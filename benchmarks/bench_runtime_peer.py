@@ -110,11 +110,12 @@ def _gpt_stage(i: int, stages: int = STAGES) -> nn.Module:
     return nn.Sequential(*layers[cuts[i]:cuts[i + 1]])
 
 
-def _batch(model: str, n: int, seed: int):
+def _batch(model: str, n: int, seed: int, rows: int = 1):
+    """A batch of n micro-batches of ``rows`` rows each (the tiny model's 64 features, the GPT's 64 tokens)."""
     g = torch.Generator().manual_seed(seed)
     if model == "tiny":
-        return torch.randn(n, 64, generator=g), torch.randn(n, 64, generator=g)
-    x = torch.randint(0, 256, (n, 64), generator=g)
+        return torch.randn(n * rows, 64, generator=g), torch.randn(n * rows, 64, generator=g)
+    x = torch.randint(0, 256, (n * rows, 64), generator=g)
     return x, torch.roll(x, -1, dims=1)
 
 
@@ -218,11 +219,12 @@ def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
 
 
 def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None,
-             optimizer: str = "adamw", policy: str | None = None, stream: bool = False) -> dict:
+             optimizer: str = "adamw", policy: str | None = None, stream: bool = False, rows: int = 1) -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
     ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone; pipeoptim's
     runs weight policy ``_policy(schedule, policy)``, as a stream across its steps with ``stream``: after the
-    first, untimed, every step is the stream's steady state), both stepping ``OPTIMIZERS[optimizer]``; returns the
+    first, untimed, every step is the stream's steady state), both stepping ``OPTIMIZERS[optimizer]`` on
+    micro-batches of ``rows`` rows; returns the
     slowest rank's times per runtime (``name``) and the CPU time of every thread of every rank, summed
     (``"<name> cpu"``): on processes that share cores a step's wall time depends on the scheduler, its CPU time
     much less. When both run the same schedule, their weights must agree after the
@@ -236,7 +238,7 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
         runners["torch"] = torch_step
     times: dict[str, list[float]] = {k: [] for name in runners for k in (name, f"{name} cpu")}
     for r in range(warmup + rounds):
-        batch = _batch(model, n, r)
+        batch = _batch(model, n, r, rows)
         for name, run in runners.items():
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -363,7 +365,7 @@ def _policy(schedule: str, policy: str | None = None) -> str:
 
 
 def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer: str = "adamw",
-         policy: str = "none", stream: bool = False) -> dict:
+         policy: str = "none", stream: bool = False, rows: int = 1) -> dict:
     ours = statistics.median(times["pipeoptim"])
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
@@ -375,13 +377,13 @@ def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer
         cpu = {"cpu_s": round(statistics.median(ours_cpu), 5), "peer_cpu_s": round(statistics.median(theirs_cpu), 5),
                "cpu_paired_ratio": round(c_paired, 3), "cpu_paired_ratio_90ci": "%.3f-%.3f" % (c_low, c_high)}
     return {"model": model, "setting": setting, "schedule": schedule, "policy": policy, "stream": stream,
-            "microbatches": n, "optimizer": optimizer,
+            "microbatches": n, "rows_per_microbatch": rows, "optimizer": optimizer,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
             "ratio": round(ours / theirs, 3), "paired_ratio": round(paired, 3),
-            "paired_ratio_90ci": "%.3f-%.3f" % (low, high), "samples_per_s": round(n / ours, 2),
-            "peer_samples_per_s": round(n / theirs, 2), **cpu}
+            "paired_ratio_90ci": "%.3f-%.3f" % (low, high), "samples_per_s": round(n * rows / ours, 2),
+            "peer_samples_per_s": round(n * rows / theirs, 2), **cpu}
 
 
 def main(argv=None) -> int:
@@ -403,10 +405,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, choices=[2, STAGES], default=STAGES,
                     help="processes of the side-by-side rows (default 4; 2: a core per rank on a 2-core machine, "
                          "where a rank that waits leaves its core idle, as a GPU would; the model is cut in 2)")
+    ap.add_argument("--rows-per-microbatch", type=int, default=1, metavar="B",
+                    help="rows per micro-batch in the side-by-side rows (default 1: the tiny model's 1 x 64, the "
+                         "GPT's 1 x 64 tokens); more makes each micro-batch's compute larger against an "
+                         "optimizer step's, as on a GPU")
     ap.add_argument("--csv", default=None, help="output CSV (default: runs/bench_runtime_peer/<time>.csv)")
     args = ap.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0:
-        ap.error("--rounds must be >= 1 and --warmup >= 0")
+    if args.rounds < 1 or args.warmup < 0 or args.rows_per_microbatch < 1:
+        ap.error("--rounds and --rows-per-microbatch must be >= 1 and --warmup >= 0")
     if args.device == "cuda" and not args.emulated_only:
         ap.error("--device cuda runs the emulated rows only: add --emulated-only (the 4-process rows need a GPU "
                  "per rank, and gloo moves CPU tensors)")
@@ -427,9 +433,10 @@ def main(argv=None) -> int:
                           f"{ranks})", flush=True)
                     continue
                 per_rank = launch(rank_job, ranks, model, schedule, n, args.rounds, args.warmup, None,
-                                  args.optimizer, timeout_s=3600)
+                                  args.optimizer, None, False, args.rows_per_microbatch, timeout_s=3600)
                 times = per_rank[0]
-                rows.append(_row(model, setting, schedule, n, times, "torch", schedule, args.optimizer))
+                rows.append(_row(model, setting, schedule, n, times, "torch", schedule, args.optimizer,
+                                 rows=args.rows_per_microbatch))
                 torch_median = statistics.median(times["torch"])
                 if best is None or torch_median < best[1]:
                     best = (schedule, torch_median)
@@ -437,9 +444,10 @@ def main(argv=None) -> int:
             if not args.no_async:
                 for schedule, policy, stream in ASYNC:
                     per_rank = launch(rank_job, ranks, model, schedule, n, args.rounds, max(args.warmup, 1),
-                                      best[0], args.optimizer, policy, stream, timeout_s=3600)
+                                      best[0], args.optimizer, policy, stream, args.rows_per_microbatch,
+                                      timeout_s=3600)
                     rows.append(_row(model, setting, schedule, n, per_rank[0], "torch", best[0],
-                                     args.optimizer, policy, stream))
+                                     args.optimizer, policy, stream, args.rows_per_microbatch))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
                           "side by side)", flush=True)
         if args.emulated or args.emulated_only:
@@ -463,7 +471,9 @@ def main(argv=None) -> int:
 def _format(r: dict) -> str:
     schedule = r["schedule"] + ("" if r["policy"] == _policy(r["schedule"]) else f"+{r['policy']}") + \
         (" stream" if r.get("stream") else "")
-    return (f"{r['model']:5} {r['setting']:12} {schedule:21} N={r['microbatches']:<3} pipeoptim "
+    rows = r.get("rows_per_microbatch", 1)
+    microbatches = f"N={r['microbatches']}" + (f" x {rows} rows" if rows != 1 else "")
+    return (f"{r['model']:5} {r['setting']:12} {schedule:21} {microbatches:5} pipeoptim "
             f"{r['pipeoptim_s'] * 1e3:8.2f} ms  {r['peer']:18} {r['peer_s'] * 1e3:8.2f} ms  "
             f"ratio {r['ratio']:.3f}  paired {r['paired_ratio']:.3f} ({r['paired_ratio_90ci']})  "
             f"samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}"

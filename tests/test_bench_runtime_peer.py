@@ -33,6 +33,23 @@ def test_the_ratio_is_the_ratio_of_the_printed_medians():
     assert row["cpu_s"] == row["cpu_paired_ratio"] == ""  # no CPU times given (the one-process rows)
 
 
+def test_rows_per_microbatch_make_larger_microbatches_and_count_every_sample():
+    for model in ("tiny", "gpt"):
+        x, t = bench._batch(model, 8, 0, rows=4)
+        assert x.shape[0] == t.shape[0] == 32 and x.shape[1:] == bench._batch(model, 8, 0)[0].shape[1:]
+    row = bench._row("gpt", "2 processes", "1f1b", 8, {"pipeoptim": [2.0], "torch": [4.0]}, "torch", "1f1b", rows=4)
+    assert row["rows_per_microbatch"] == 4 and row["samples_per_s"] == 16.0 and row["peer_samples_per_s"] == 8.0
+    assert "N=8 x 4 rows pipeoptim" in bench._format(row)
+    assert bench._row("gpt", "2 processes", "1f1b", 8, {"pipeoptim": [2.0], "torch": [4.0]}, "torch",
+                      "1f1b")["rows_per_microbatch"] == 1
+
+
+def test_rows_per_microbatch_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--rows-per-microbatch", "0"])
+    assert "--rows-per-microbatch must be >= 1" in capsys.readouterr().err
+
+
 def test_the_cpu_columns_are_the_medians_of_the_summed_cpu_times():
     times = {"pipeoptim": [1.0, 1.0, 1.0], "torch": [1.0, 1.0, 1.0],
              "pipeoptim cpu": [2.0, 6.0, 3.0], "torch cpu": [4.0, 4.0, 4.0]}
