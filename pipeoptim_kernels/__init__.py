@@ -22,7 +22,7 @@ from .rules import (BUILTIN_RULES, MODES, OPTIMIZER_CLASSES, PAPER_RULES, REFERE
                     STEP_PREDICT_RULES, register_rule)
 from .validate import check_predict_call, check_step_predict_call
 
-__all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "PAPER_RULES",
+__all__ = ["predict", "step_predict", "available_backends", "register_rule", "BUILTIN_RULES", "MODES", "PAPER_RULES",
            "REFERENCE_RULES", "STEP_PREDICT_RULES", "STATE_ENTRIES", "OPTIMIZER_CLASSES", "BACKENDS"]
 
 BACKENDS = ("auto", "eager", "triton", "cpu", "cuda")

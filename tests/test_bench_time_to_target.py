@@ -473,7 +473,6 @@ def test_stage_costs_missing_a_new_runs_variant_are_completed_not_remeasured(tmp
 
 def test_muon_stage_work_is_measured_with_muon(one_thread, monkeypatch):
     """A Muon variant steps with Muon + AdamW and the policy options of its run (prediction from the last update)."""
-    import torch
     from pipeoptim import policies
     seen = []
     real = policies.make_policy
