@@ -95,9 +95,9 @@ inline void stream_vec(void* p, vfloat x) {
 
 // Software prefetch. On an AVX2-only AMD EPYC (Zen 3) the hardware prefetchers alone left in-place
 // predict, which reads three buffers, about 10 % slower than torch's addcmul_ with the same traffic;
-// asking for each input's line `ahead` elements early closed the gap (benchmarks/bench_kernels.py's
-// "no prefetch" rows). On the AVX-512 Xeon it measured no better, so each instruction set has its
-// own default (ops_cpu.cpp). touch(i) prefetches element i of every input; 0 turns it off.
+// asking for each input's line `ahead` elements early closed the gap (benchmarks/probe_cpu_prefetch.py).
+// On the AVX-512 Xeon it measured no better, so each instruction set has its own default
+// (ops_cpu.cpp). touch(i) prefetches element i of every input; ahead = 0 turns it off.
 constexpr int64_t kLineFloats = 64 / 4;
 
 template <class T>
@@ -125,6 +125,25 @@ void streamed(int64_t n, void* out, int64_t ahead, One&& one, Vec&& vec, Touch&&
   while (i < n && reinterpret_cast<uintptr_t>(o + i * out_size<Out>()) % kAlign != 0) one(i++);
   vector_loop(i, n, ahead, one, [&](int64_t j) { stream_vec<Out>(o + j * out_size<Out>(), vec(j)); }, touch);
   _mm_sfence();  // streaming stores are weakly ordered: make them visible before the op returns
+}
+
+// The vector ways a loop can write its output `out`, which with InPlace is one of its inputs: streaming
+// stores when `stream` asks (never in place: there is no separate line to skip reading), else explicit
+// vectors when prefetch is on and the output is fp32. one(i) computes and writes element i; vec(i)
+// computes kLanes elements from i and returns them. False when neither applies: the caller then runs its
+// element loop, which the compiler vectorises.
+template <int Out, bool InPlace, class One, class Vec, class Touch>
+bool vector_write(int64_t n, void* out, bool stream, int64_t ahead, One&& one, Vec&& vec, Touch&& touch) {
+  if (stream && !InPlace) {
+    streamed<Out>(n, out, ahead, one, vec, touch);
+    return true;
+  }
+  if (Out == OUT_F32 && ahead > 0) {
+    float* o = static_cast<float*>(out);
+    vector_loop(0, n, ahead, one, [&](int64_t i) { store_vec(o + i, vec(i)); }, touch);
+    return true;
+  }
+  return false;
 }
 #endif
 
@@ -156,16 +175,9 @@ void predict_loop(int64_t n, const float* w, const float* m, const float* g, con
     if (DenKind) prefetch(v + i);
     if (HasVC) prefetch(vc + i);
   };
-  if (!InPlace && stream) {
-    streamed<Out>(n, out, ahead, [&](int64_t i) { store<Out>(out, i, one(i)); }, vec, touch);
+  // (in place, out is w and Out is OUT_F32)
+  if (vector_write<Out, InPlace>(n, out, stream, ahead, [&](int64_t i) { store<Out>(out, i, one(i)); }, vec, touch))
     return;
-  }
-  if (Out == OUT_F32 && ahead > 0) {
-    float* o = InPlace ? const_cast<float*>(w) : static_cast<float*>(out);
-    vector_loop(0, n, ahead, [&](int64_t i) { o[i] = one(i); }, [&](int64_t i) { store_vec(o + i, vec(i)); },
-                touch);
-    return;
-  }
 #endif
   (void)stream;
   (void)ahead;
@@ -211,15 +223,7 @@ void adam_loop(int64_t n, float* w, const float* g, float* m, float* v, float* v
     prefetch(v + i);
     if (Amsgrad) prefetch(vmax + i);
   };
-  if (stream && !IntoGrad) {
-    streamed<Out>(n, out, ahead, one, vec, touch);
-    return;
-  }
-  if ((IntoGrad || Out == OUT_F32) && ahead > 0) {
-    float* o = IntoGrad ? g_out : static_cast<float*>(out);
-    vector_loop(0, n, ahead, one, [&](int64_t i) { store_vec(o + i, vec(i)); }, touch);
-    return;
-  }
+  if (vector_write<Out, IntoGrad>(n, out, stream, ahead, one, vec, touch)) return;  // (IntoGrad: out is g)
 #endif
   (void)stream;
   (void)ahead;
@@ -252,15 +256,7 @@ void sgd_loop(int64_t n, float* w, const float* g, float* buf, void* out, const 
     prefetch(g + i);
     if (HasMomentum) prefetch(buf + i);
   };
-  if (stream && !IntoGrad) {
-    streamed<Out>(n, out, ahead, one, vec, touch);
-    return;
-  }
-  if ((IntoGrad || Out == OUT_F32) && ahead > 0) {
-    float* o = IntoGrad ? g_out : static_cast<float*>(out);
-    vector_loop(0, n, ahead, one, [&](int64_t i) { store_vec(o + i, vec(i)); }, touch);
-    return;
-  }
+  if (vector_write<Out, IntoGrad>(n, out, stream, ahead, one, vec, touch)) return;  // (IntoGrad: out is g)
 #endif
   (void)stream;
   (void)ahead;
