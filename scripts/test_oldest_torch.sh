@@ -10,11 +10,17 @@
 # target) by setup.py, and loaded from there through PIPEOPTIM_KERNELS_BUILD. scripts/test.sh calls this
 # after the main suite; alone (after scripts/install.sh):
 #     bash scripts/test_oldest_torch.sh [pytest arguments]
+#     bash scripts/test_oldest_torch.sh --prepare   # only the venv and the extension (test.sh runs this early)
 # The first run downloads torch's CUDA wheel (about 0.5 GB). Importing that torch needs CUDA 13's runtime
 # libraries even on a CPU; they are not downloaded again (about 3 GB): the venv links the ones the main
 # install's torch (also a CUDA 13 build) brought. Without those, torch's own requirements are installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+prepare_only=0
+if [ "${1:-}" = "--prepare" ]; then
+    prepare_only=1
+    shift
+fi
 
 TORCH_VERSION=2.11.0
 TRITON_VERSION=3.6.0
@@ -61,6 +67,9 @@ if ! "$VPY" setup.py build_ext --build-temp "$VENV/build/temp" --build-lib "$VEN
     exit 1
 fi
 echo "extension for torch $TORCH_VERSION built or current in $(( $(date +%s) - start )) s ($VENV/build.log)"
+if [ "$prepare_only" -eq 1 ]; then
+    exit 0
+fi
 
 export PIPEOPTIM_KERNELS_BUILD="$VENV/build/lib" TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export PATH="$PWD/$VENV/bin:$PATH"  # subprocesses (python3, gpu_check.sh's steps) use this torch too
