@@ -236,26 +236,27 @@ def ratio(times: dict[str, list[float]], name: str, base: str) -> tuple[float, f
     return statistics.median(times[name]) / statistics.median(times[base]), min(per_round), max(per_round)
 
 
-def ordinary_stores(fn):
-    """fn run with the cpu backend's streaming stores turned off."""
+def with_cpu_setting(setter: str, value, fn):
+    """fn run with one of the cpu backend's run-time settings (``set_cpu_stream``, ``set_cpu_prefetch``) at value,
+    restored afterwards."""
     def run():
-        previous = pk.compiled.load().set_cpu_stream(0)
+        set_ = getattr(pk.compiled.load(), setter)
+        previous = set_(value)
         try:
             fn()
         finally:
-            pk.compiled.load().set_cpu_stream(previous)
+            set_(previous)
     return run
+
+
+def ordinary_stores(fn):
+    """fn run with the cpu backend's streaming stores turned off."""
+    return with_cpu_setting("set_cpu_stream", 0, fn)
 
 
 def no_prefetch(fn):
     """fn run with the cpu backend's software prefetch turned off."""
-    def run():
-        previous = pk.compiled.load().set_cpu_prefetch(0)
-        try:
-            fn()
-        finally:
-            pk.compiled.load().set_cpu_prefetch(previous)
-    return run
+    return with_cpu_setting("set_cpu_prefetch", 0, fn)
 
 
 def predict_bytes(plan: rules.PredictPlan) -> int:

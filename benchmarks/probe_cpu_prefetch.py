@@ -44,14 +44,7 @@ FLOOR, FUSED = "addcmul_ (in place's traffic, 16 B)", "torch fused Adam step (28
 
 def with_prefetch(nbytes: int, fn):
     """fn run with the cpu backend prefetching nbytes ahead (-1: its instruction set's default)."""
-    def run():
-        module = pk.compiled.load()
-        previous = module.set_cpu_prefetch(nbytes)
-        try:
-            fn()
-        finally:
-            module.set_cpu_prefetch(previous)
-    return run
+    return bench_kernels.with_cpu_setting("set_cpu_prefetch", nbytes, fn)
 
 
 def variants(n: int, distances: list[int]) -> dict:
