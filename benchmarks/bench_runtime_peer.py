@@ -21,7 +21,10 @@ samples per second: asynchronous 1F1B with policy none (an optimizer step per mi
 optimizer's own) and with PipeOptim (the same steps, each forward on the weights predicted for its backward;
 its fused kernel takes a stage's step and the next prediction in one pass over the flat buffers, where a
 prediction is made; the last stage, which never predicts, steps the optimizer itself), and PipeDream-2BW
-(policy 2bw: a step per 4 micro-batches, double-buffered weights). Async 1F1B with policy none runs twice: as
+(policy 2bw, double-buffered weights) twice: with its default update every m = D micro-batches (the fewest
+it allows, so N/D steps per window), and with m = N, one update per window of N micro-batches, the batch and
+the number of steps of the synchronous rows, taken on weights one update old (the ``update_every`` column:
+micro-batches per optimizer step in every row). Async 1F1B with policy none runs twice: as
 windows (each ``train_step`` fills and drains the pipeline like a synchronous step: the same bubble, plus the
 extra optimizer steps) and as a stream (``Pipeline(stream=True)``: the micro-batches in flight carry from one
 ``train_step`` to the next, so a timed step, after the untimed first that fills the pipeline, neither fills nor
@@ -45,7 +48,8 @@ cores a waiting rank's core goes to another rank, so a flush costs nothing there
 
 ``--optimizer adamw-fused`` makes both runtimes (and the one-process rows' plain and staged steps) step torch's
 ``AdamW(fused=True)`` instead of its default (on the CPU, one loop per parameter): an asynchronous schedule
-steps after every micro-batch (async 1F1B) or every 4 (2BW), so what a step costs weighs on its rows most.
+steps after every micro-batch (async 1F1B) or every D (2BW's default), so what a step costs weighs on its
+rows most.
 
 Prints a table and writes a CSV (default: a fresh file under runs/bench_runtime_peer/) with the command line
 and the CPU in its header comment.
@@ -66,9 +70,11 @@ from torch import nn
 SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
         "zbv": "ScheduleZBVZeroBubble"}
 # the asynchronous rows: (schedule, the weight policy it runs with, stream: whether the micro-batches in flight
-# carry from one train_step to the next); the first row of a schedule names its default policy
-ASYNC = (("async-1f1b", "none", False), ("async-1f1b", "none", True), ("async-1f1b", "pipeoptim", True),
-         ("2bw", "2bw", True))
+# carry from one train_step to the next, 2BW's update_every m: None for the schedule's default D, "N" for one
+# update per N micro-batches, the synchronous schedules' batch); the first row of a schedule names its default
+# policy
+ASYNC = (("async-1f1b", "none", False, None), ("async-1f1b", "none", True, None),
+         ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None), ("2bw", "2bw", True, "N"))
 STAGES = 4                       # processes (pipeline devices) of the side-by-side rows; --ranks 2: 2
 TWO_PER_RANK = ("interleaved", "zbv")
 _GPT_CUTS = {2: [0, 5, 10], 4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}  # over [embedding, 8 blocks, head]
@@ -139,9 +145,9 @@ OPTIMIZERS = {"adamw": _adamw, "adamw-fused": lambda params: _adamw(params, fuse
 
 
 def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | None = None,
-              policy: str | None = None, stream: bool = False):
-    """This rank's pipeoptim ``Pipeline`` (weight policy ``_policy(schedule, policy)``, ``Pipeline(stream=...)``)
-    and torch's step of
+              policy: str | None = None, stream: bool = False, update_every: int | str | None = None):
+    """This rank's pipeoptim ``Pipeline`` (weight policy ``_policy(schedule, policy)``, ``Pipeline(stream=...)``,
+    2BW's ``update_every``: ``_update_every(n, update_every)``) and torch's step of
     synchronous schedule ``peer`` (default: the same schedule; None for an asynchronous one without a peer):
     (pipeline, torch_step or None, {global parameter name: torch's tensor}). Torch's stages hold the same model
     from the same weights, cut for ``peer``."""
@@ -154,7 +160,8 @@ def _runtimes(model: str, schedule: str, n: int, optimizer=_adamw, peer: str | N
     ranks = int(os.environ["WORLD_SIZE"])  # (set by launch; the process group starts inside the Pipeline)
     total = num_stages(schedule, ranks)
     ours = Pipeline(stages=lambda i: _stage(model, i, total), loss_fn=_loss(model), optimizer=optimizer,
-                    schedule=schedule, policy=_policy(schedule, policy), microbatches=n, stream=stream)
+                    schedule=schedule, policy=_policy(schedule, policy), microbatches=n, stream=stream,
+                    schedule_options=_schedule_options(n, update_every))
     peer = peer or (schedule if schedule in SYNC else None)
     if peer is None:
         return ours, None, {}
@@ -219,12 +226,13 @@ def sgd_step_checks(model: str, schedules: list[str], n: int) -> list[dict]:
 
 
 def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: str | None = None,
-             optimizer: str = "adamw", policy: str | None = None, stream: bool = False, rows: int = 1) -> dict:
+             optimizer: str = "adamw", policy: str | None = None, stream: bool = False, rows: int = 1,
+             update_every: int | str | None = None) -> dict:
     """One rank: ``warmup`` + ``rounds`` alternating steps of both runtimes (torch's runs synchronous schedule
     ``peer``, by default ``schedule`` itself; an asynchronous schedule without ``peer`` runs alone; pipeoptim's
     runs weight policy ``_policy(schedule, policy)``, as a stream across its steps with ``stream``: after the
     first, untimed, every step is the stream's steady state), both stepping ``OPTIMIZERS[optimizer]`` on
-    micro-batches of ``rows`` rows; returns the
+    micro-batches of ``rows`` rows (2BW: an update every ``_update_every(n, update_every)``); returns the
     slowest rank's times per runtime (``name``) and the CPU time of every thread of every rank, summed
     (``"<name> cpu"``): on processes that share cores a step's wall time depends on the scheduler, its CPU time
     much less. When both run the same schedule, their weights must agree after the
@@ -232,7 +240,7 @@ def rank_job(model: str, schedule: str, n: int, rounds: int, warmup: int, peer: 
     import torch.distributed as dist
 
     ours, torch_step, torch_params = _runtimes(model, schedule, n, OPTIMIZERS[optimizer], peer=peer, policy=policy,
-                                               stream=stream)
+                                               stream=stream, update_every=update_every)
     runners = {"pipeoptim": lambda b: ours.train_step(b)}
     if torch_step is not None:
         runners["torch"] = torch_step
@@ -361,11 +369,38 @@ def _policy(schedule: str, policy: str | None = None) -> str:
     """The weight policy a row of ``schedule`` runs: ``policy``, else the schedule's first in ``ASYNC``, else none."""
     if policy is not None:
         return policy
-    return next((p for s, p, _ in ASYNC if s == schedule), "none")
+    return next((p for s, p, *_ in ASYNC if s == schedule), "none")
+
+
+def _update_every(n: int, update_every: int | str | None) -> int | None:
+    """2BW's micro-batches per update: None (the schedule's default, D), "N" (``n``: one update per window of n
+    micro-batches, as a synchronous schedule takes) or a number."""
+    if update_every == "N":
+        return n
+    if update_every is None or (isinstance(update_every, int) and not isinstance(update_every, bool)):
+        return update_every
+    raise ValueError(f"update_every must be None, 'N' or an int, got {update_every!r}")
+
+
+def micro_batches_per_update(schedule: str, n: int, ranks: int, update_every: int | str | None = None) -> int:
+    """How many micro-batches a row's optimizer step covers: N for a synchronous schedule, 1 for async 1F1B, m for
+    2BW (default D = ``ranks``)."""
+    if schedule == "async-1f1b":
+        return 1
+    if schedule == "2bw":
+        return _update_every(n, update_every) or ranks
+    return n
+
+
+def _schedule_options(n: int, update_every: int | str | None) -> dict | None:
+    m = _update_every(n, update_every)
+    return None if m is None else {"update_every": m}
 
 
 def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer: str = "adamw",
-         policy: str = "none", stream: bool = False, rows: int = 1) -> dict:
+         policy: str = "none", stream: bool = False, rows: int = 1, update_every: int | None = None) -> dict:
+    """One CSV row; ``update_every``: the micro-batches each optimizer step covers (``micro_batches_per_update``),
+    when known."""
     ours = statistics.median(times["pipeoptim"])
     theirs = statistics.median(times[peer])
     spread = lambda ts: (min(ts), max(ts))  # noqa: E731
@@ -377,7 +412,8 @@ def _row(model, setting, schedule, n, times, peer, peer_schedule=None, optimizer
         cpu = {"cpu_s": round(statistics.median(ours_cpu), 5), "peer_cpu_s": round(statistics.median(theirs_cpu), 5),
                "cpu_paired_ratio": round(c_paired, 3), "cpu_paired_ratio_90ci": "%.3f-%.3f" % (c_low, c_high)}
     return {"model": model, "setting": setting, "schedule": schedule, "policy": policy, "stream": stream,
-            "microbatches": n, "rows_per_microbatch": rows, "optimizer": optimizer,
+            "update_every": "" if update_every is None else update_every, "microbatches": n,
+            "rows_per_microbatch": rows, "optimizer": optimizer,
             "pipeoptim_s": round(ours, 5), "pipeoptim_min_max": "%.5f-%.5f" % spread(times["pipeoptim"]),
             "peer": peer if peer_schedule is None else f"{peer}:{peer_schedule}",
             "peer_s": round(theirs, 5), "peer_min_max": "%.5f-%.5f" % spread(times[peer]),
@@ -436,18 +472,19 @@ def main(argv=None) -> int:
                                   args.optimizer, None, False, args.rows_per_microbatch, timeout_s=3600)
                 times = per_rank[0]
                 rows.append(_row(model, setting, schedule, n, times, "torch", schedule, args.optimizer,
-                                 rows=args.rows_per_microbatch))
+                                 rows=args.rows_per_microbatch, update_every=n))
                 torch_median = statistics.median(times["torch"])
                 if best is None or torch_median < best[1]:
                     best = (schedule, torch_median)
                 print(_format(rows[-1]), flush=True)
             if not args.no_async:
-                for schedule, policy, stream in ASYNC:
+                for schedule, policy, stream, update_every in ASYNC:
                     per_rank = launch(rank_job, ranks, model, schedule, n, args.rounds, max(args.warmup, 1),
                                       best[0], args.optimizer, policy, stream, args.rows_per_microbatch,
-                                      timeout_s=3600)
+                                      update_every, timeout_s=3600)
                     rows.append(_row(model, setting, schedule, n, per_rank[0], "torch", best[0],
-                                     args.optimizer, policy, stream, args.rows_per_microbatch))
+                                     args.optimizer, policy, stream, args.rows_per_microbatch,
+                                     micro_batches_per_update(schedule, n, ranks, update_every)))
                     print(_format(rows[-1]) + "  (peer: torch's fastest synchronous schedule above, run again "
                           "side by side)", flush=True)
         if args.emulated or args.emulated_only:
@@ -471,9 +508,11 @@ def main(argv=None) -> int:
 def _format(r: dict) -> str:
     schedule = r["schedule"] + ("" if r["policy"] == _policy(r["schedule"]) else f"+{r['policy']}") + \
         (" stream" if r.get("stream") else "")
+    if r["schedule"] == "2bw" and r.get("update_every"):
+        schedule += f" m={r['update_every']}"
     rows = r.get("rows_per_microbatch", 1)
     microbatches = f"N={r['microbatches']}" + (f" x {rows} rows" if rows != 1 else "")
-    return (f"{r['model']:5} {r['setting']:12} {schedule:21} {microbatches:5} pipeoptim "
+    return (f"{r['model']:5} {r['setting']:12} {schedule:26} {microbatches:5} pipeoptim "
             f"{r['pipeoptim_s'] * 1e3:8.2f} ms  {r['peer']:18} {r['peer_s'] * 1e3:8.2f} ms  "
             f"ratio {r['ratio']:.3f}  paired {r['paired_ratio']:.3f} ({r['paired_ratio_90ci']})  "
             f"samples/s {r['samples_per_s']:.1f} vs {r['peer_samples_per_s']:.1f}"

@@ -136,10 +136,36 @@ def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
 
 def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
     per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, timeout_s=240)
-    assert bench.ASYNC == (("async-1f1b", "none", False), ("async-1f1b", "none", True),
-                           ("async-1f1b", "pipeoptim", True), ("2bw", "2bw", True))
+    assert bench.ASYNC == (("async-1f1b", "none", False, None), ("async-1f1b", "none", True, None),
+                           ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None),
+                           ("2bw", "2bw", True, "N"))
     assert bench._policy("2bw") == "2bw" and bench._policy("async-1f1b") == "none" and bench._policy("1f1b") == "none"
     assert all(set(t) == {"pipeoptim", "pipeoptim cpu"} and len(t["pipeoptim"]) == 1 for t in per_rank)
+
+
+def test_2bw_with_one_update_per_window_takes_the_synchronous_rows_batch():
+    """The m = N row: 2BW's update_every is the window's N micro-batches, so it takes as many optimizer steps per
+    window as a synchronous schedule, each over the same batch; the default row keeps the schedule's m = D."""
+    from pipeoptim.train import Pipeline
+
+    def two_bw(update_every):
+        return Pipeline(stages=lambda i: bench._stage("tiny", i), loss_fn=bench._loss("tiny"), optimizer=bench._adamw,
+                        schedule="2bw", policy="2bw", microbatches=8, emulate=True, devices=bench.STAGES,
+                        schedule_options=bench._schedule_options(8, update_every))
+    per_window = two_bw("N")
+    assert [per_window.plan.update_every(c) for c in per_window.plan.schedule.chunks[0]] == [8]
+    assert per_window.plan.num_steps == bench.STAGES  # one step per stage per window, as GPipe's
+    default = two_bw(None)
+    assert [default.plan.update_every(c) for c in default.plan.schedule.chunks[0]] == [bench.STAGES]
+    assert [bench.micro_batches_per_update(s, 8, 4, m) for s, _, _, m in bench.ASYNC] == [1, 1, 1, 4, 8]
+    assert bench.micro_batches_per_update("gpipe", 8, 4) == 8
+    with pytest.raises(ValueError, match="update_every"):
+        bench._update_every(8, "all")
+    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 1, "gpipe", "adamw", None, True, 1, "N",
+                      timeout_s=240)
+    assert all(len(t["pipeoptim"]) == 1 and len(t["torch"]) == 1 for t in per_rank)
+    row = bench._row("tiny", "4 processes", "2bw", 8, per_rank[0], "torch", "gpipe", "adamw", "2bw", True, 1, 8)
+    assert row["update_every"] == 8 and "2bw stream m=8" in bench._format(row)
 
 
 def test_asynchronous_1f1b_runs_with_pipeoptim_and_its_row_names_the_policy():
