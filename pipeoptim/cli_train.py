@@ -87,6 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
                    help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
                         "none for synchronous schedules)")
+    p.add_argument("--update-every", type=_positive_int, default=None, metavar="M",
+                   help="--schedule 2bw: micro-batches per optimizer step (default: --stages, the fewest 2bw "
+                        "allows; it must divide --microbatches). --update-every equal to --microbatches takes one "
+                        "step per window, as a synchronous schedule does: the fastest 2bw stream")
     p.add_argument("--stream", action="store_true",
                    help="async-1f1b and 2bw: keep the micro-batches in flight from one window to the next (the "
                         "pipeline fills once and never drains between windows; evaluation and checkpoints "
@@ -254,11 +258,16 @@ def _port(text: str) -> int:
     return value
 
 
-def _updates_per_window(schedule: str, stages: int, microbatches: int) -> int:
+def _schedule_params(cfg: dict) -> dict:
+    """The schedule's own parameters among the flags: 2bw's ``update_every`` when given."""
+    return {} if cfg.get("update_every") is None else {"update_every": cfg["update_every"]}
+
+
+def _updates_per_window(schedule: str, stages: int, microbatches: int, update_every: int | None = None) -> int:
     """Optimizer steps stage 0 takes per window (what the LR scheduler counts)."""
     from .runtime.config import make_schedule
     from .schedules.actions import Step
-    sched = make_schedule(schedule, stages, microbatches)
+    sched = make_schedule(schedule, stages, microbatches, **_schedule_params({"update_every": update_every}))
     return sum(1 for a in sched.actions[0] if isinstance(a, Step) and a.stage == 0 and a.replica == 0)
 
 
@@ -267,7 +276,8 @@ def _config(args) -> dict:
     from .runtime.plan import Plan
     apply_recipe(args)
     d, h, L, T = SIZES[args.model]
-    sched = make_schedule(args.schedule, args.stages, args.microbatches)  # fails here, before any process starts
+    # fails here, before any process starts
+    sched = make_schedule(args.schedule, args.stages, args.microbatches, **_schedule_params(vars(args)))
     policy = check_policy(sched, args.policy)
     Plan(sched)
     if args.stream:
@@ -472,7 +482,8 @@ def train_worker(cfg: dict) -> dict:
 
     torch.manual_seed(cfg["seed"])
     total_steps = cfg["steps"]
-    sched_steps = total_steps * _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
+    sched_steps = total_steps * _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"],
+                                                    cfg.get("update_every"))
     warm = max(1, sched_steps // 20)
     lr_lambda = lambda i: min(1.0, (i + 1) / warm) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(i, sched_steps) / sched_steps)))  # noqa: E731
     hf = cfg["model"].startswith("hf-")
@@ -490,7 +501,7 @@ def train_worker(cfg: dict) -> dict:
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
                     policy_options=_policy_options(cfg), checkpoint_stages=cfg.get("checkpoint_stages") or (),
-                    stream=cfg.get("stream", False), **model_kw)
+                    stream=cfg.get("stream", False), schedule_options=_schedule_params(cfg) or None, **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -645,7 +656,9 @@ def _changed_clip(saved: dict, cfg: dict) -> list[str]:
 def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
     out = {k: cfg[k] for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
-    out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"])
+    out["update_every"] = cfg.get("update_every")
+    out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"],
+                                                    cfg.get("update_every"))
     out["delay"] = _delay_hparams(cfg)
     return out
 
@@ -676,11 +689,15 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
                               f"{flags(mine['delay'])}: the learning-rate schedule's state would not carry over. "
                               f"Resume with {flags(before)}, or start a new run in another --run-dir")
         if saved["updates_per_window"] != mine["updates_per_window"]:
-            raise ConfigError(f"{directory} was written by schedule {saved['schedule']} with {saved['microbatches']} "
-                              f"micro-batches ({saved['updates_per_window']} optimizer steps per window); "
-                              f"{mine['schedule']} with {mine['microbatches']} takes {mine['updates_per_window']}, so "
-                              "the learning-rate schedule would not carry over. Resume with a schedule and "
-                              "micro-batch count that step as often (stage counts may differ)")
+            def what(c):
+                m = c.get("update_every")
+                return f"{c['schedule']} with {c['microbatches']} micro-batches" + \
+                    ("" if m is None else f" and --update-every {m}")
+            raise ConfigError(f"{directory} was written by schedule {what(saved)} "
+                              f"({saved['updates_per_window']} optimizer steps per window); {what(mine)} takes "
+                              f"{mine['updates_per_window']}, so the learning-rate schedule would not carry over. "
+                              "Resume with a schedule, micro-batch count and --update-every that step as often "
+                              "(stage counts may differ)")
     for d, problem in skipped:  # set aside: never counted again (pruning would keep them, not intact ones)
         print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
               file=sys.stderr)

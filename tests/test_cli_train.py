@@ -95,6 +95,36 @@ def test_a_stream_trains_resumes_and_equals_an_uninterrupted_stream(tmp_path, ca
     assert "stream=True" in capsys.readouterr().err
 
 
+def test_update_every_sets_2bws_steps_per_window_and_a_resume_must_keep_them(tmp_path, capsys, monkeypatch,
+                                                                             one_thread):
+    """--update-every M reaches the schedule, the pipeline and the learning-rate schedule's count of steps; M =
+    --microbatches is one step per window; a resume with another M (another number of steps per window) is
+    refused, naming both; a schedule other than 2bw refuses the flag."""
+    from pipeoptim import cli_train
+    assert cli_train._updates_per_window("2bw", 2, 4) == 2 and cli_train._updates_per_window("2bw", 2, 4, 4) == 1
+    common = [*TINY, "--schedule", "2bw", "--stream", "--eval-every", "0", "--run-dir", str(tmp_path)]
+    import pipeoptim.train as train_module
+    built = []
+
+    class Spy(train_module.Pipeline):  # the run imports the Pipeline from pipeoptim.train when it starts
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+    monkeypatch.setattr(train_module, "Pipeline", Spy)
+    assert main([*common, "--update-every", "4", "--steps", "2"]) == 0, capsys.readouterr().err
+    monkeypatch.undo()
+    assert [st.policy.update_every for w in built[0].workers for st in w.stages.values()] == [4, 4]
+    capsys.readouterr()
+    assert main([*common, "--steps", "3", "--resume"]) == 2  # the default, --stages 2: two steps per window
+    err = capsys.readouterr().err
+    assert "2bw with 4 micro-batches and --update-every 4 (1 optimizer steps per window); 2bw with 4 " \
+           "micro-batches takes 2" in err, err
+    assert "--update-every that step as often" in err, err
+    assert main([*common, "--steps", "3", "--resume", "--update-every", "4"]) == 0, capsys.readouterr().err
+    assert main([*TINY, "--schedule", "1f1b", "--update-every", "4", "--run-dir", str(tmp_path / "x")]) == 2
+    assert "--update-every applies to the 2bw schedule only" in capsys.readouterr().err
+
+
 def test_the_loss_picture_draws_validation_beside_training():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
