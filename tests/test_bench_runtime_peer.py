@@ -135,7 +135,10 @@ def test_the_staged_floor_takes_the_plain_step_and_every_runner_is_timed():
 
 
 def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
-    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, timeout_s=240)
+    """An asynchronous schedule without a peer runs alone; here 2BW at one update per window (m = N), the row
+    ``test_2bw_with_one_update_per_window_takes_the_synchronous_rows_batch`` builds."""
+    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 0, None, "adamw", None, True, 1, "N",
+                      timeout_s=240)
     assert bench.ASYNC == (("async-1f1b", "none", False, None), ("async-1f1b", "none", True, None),
                            ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None),
                            ("2bw", "2bw", True, "N"))
@@ -161,28 +164,9 @@ def test_2bw_with_one_update_per_window_takes_the_synchronous_rows_batch():
     assert bench.micro_batches_per_update("gpipe", 8, 4) == 8
     with pytest.raises(ValueError, match="update_every"):
         bench._update_every(8, "all")
-    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "2bw", 8, 1, 1, "gpipe", "adamw", None, True, 1, "N",
-                      timeout_s=240)
-    assert all(len(t["pipeoptim"]) == 1 and len(t["torch"]) == 1 for t in per_rank)
-    row = bench._row("tiny", "4 processes", "2bw", 8, per_rank[0], "torch", "gpipe", "adamw", "2bw", True, 1, 8)
+    times = {"pipeoptim": [0.9, 1.1], "torch": [1.0, 1.0]}  # (the row's format; the distributed run: above)
+    row = bench._row("tiny", "4 processes", "2bw", 8, times, "torch", "gpipe", "adamw", "2bw", True, 1, 8)
     assert row["update_every"] == 8 and "2bw stream m=8" in bench._format(row)
-
-
-def test_asynchronous_1f1b_runs_with_pipeoptim_and_its_row_names_the_policy():
-    """The product's own method: async 1F1B with PipeOptim's predictions (fused step + predict) on every rank."""
-    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 1, 0, "gpipe", "adamw", "pipeoptim",
-                      timeout_s=240)
-    assert all(set(t) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"} for t in per_rank)
-    row = bench._row("tiny", "4 processes", "async-1f1b", 8, per_rank[0], "torch", "gpipe", "adamw", "pipeoptim")
-    assert row["policy"] == "pipeoptim" and "async-1f1b+pipeoptim" in bench._format(row)
-
-
-def test_a_streamed_row_carries_its_micro_batches_from_one_timed_step_to_the_next():
-    per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 1, "gpipe", "adamw", "none", True,
-                      timeout_s=240)
-    assert all(len(t["pipeoptim"]) == 2 for t in per_rank)
-    row = bench._row("tiny", "4 processes", "async-1f1b", 8, per_rank[0], "torch", "gpipe", "adamw", "none", True)
-    assert row["stream"] is True and "async-1f1b stream" in bench._format(row)
 
 
 def test_on_two_ranks_every_runtime_trains_the_same_model_cut_in_two():
@@ -199,11 +183,23 @@ def test_on_two_ranks_every_runtime_trains_the_same_model_cut_in_two():
 
 
 def test_an_asynchronous_row_runs_side_by_side_with_torchs_synchronous_peer():
-    """Its peer may cut the model differently (interleaved: 8 stages for pipeoptim's 4)."""
-    for peer in ("gpipe", "interleaved"):
-        per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 0, peer, timeout_s=240)
+    """Its peer may cut the model differently (interleaved: 8 stages for pipeoptim's 4). The rows: async 1F1B
+    with PipeOptim (the product's own method: predicted weights, fused step + predict, on every rank), its row
+    naming the policy; and async 1F1B as a stream, whose micro-batches carry from one timed step to the next
+    (rank_job raises if the stream held nothing in flight after its steps)."""
+    runs = {("interleaved", "pipeoptim", False): None, ("gpipe", "none", True): None}
+    for peer, policy, stream in runs:
+        per_rank = launch(bench.rank_job, bench.STAGES, "tiny", "async-1f1b", 8, 2, 1, peer, "adamw", policy, stream,
+                          timeout_s=240)
         assert all(set(t) == {"pipeoptim", "torch", "pipeoptim cpu", "torch cpu"} and
                    all(len(v) == 2 for v in t.values()) for t in per_rank)
+        runs[peer, policy, stream] = per_rank[0]
+    row = bench._row("tiny", "4 processes", "async-1f1b", 8, runs["interleaved", "pipeoptim", False], "torch",
+                     "interleaved", "adamw", "pipeoptim")
+    assert row["policy"] == "pipeoptim" and "async-1f1b+pipeoptim" in bench._format(row)
+    row = bench._row("tiny", "4 processes", "async-1f1b", 8, runs["gpipe", "none", True], "torch", "gpipe", "adamw",
+                     "none", True)
+    assert row["stream"] is True and "async-1f1b stream" in bench._format(row)
 
 
 def test_a_gpu_run_is_emulated_only():
