@@ -263,11 +263,11 @@ def _schedule_params(cfg: dict) -> dict:
     return {} if cfg.get("update_every") is None else {"update_every": cfg["update_every"]}
 
 
-def _updates_per_window(schedule: str, stages: int, microbatches: int, update_every: int | None = None) -> int:
-    """Optimizer steps stage 0 takes per window (what the LR scheduler counts)."""
+def _updates_per_window(cfg: dict) -> int:
+    """Optimizer steps stage 0 takes per window of the run ``cfg`` (what the LR scheduler counts)."""
     from .runtime.config import make_schedule
     from .schedules.actions import Step
-    sched = make_schedule(schedule, stages, microbatches, **_schedule_params({"update_every": update_every}))
+    sched = make_schedule(cfg["schedule"], cfg["stages"], cfg["microbatches"], **_schedule_params(cfg))
     return sum(1 for a in sched.actions[0] if isinstance(a, Step) and a.stage == 0 and a.replica == 0)
 
 
@@ -482,8 +482,7 @@ def train_worker(cfg: dict) -> dict:
 
     torch.manual_seed(cfg["seed"])
     total_steps = cfg["steps"]
-    sched_steps = total_steps * _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"],
-                                                    cfg.get("update_every"))
+    sched_steps = total_steps * _updates_per_window(cfg)
     warm = max(1, sched_steps // 20)
     lr_lambda = lambda i: min(1.0, (i + 1) / warm) * max(0.1, 0.5 * (1 + math.cos(math.pi * min(i, sched_steps) / sched_steps)))  # noqa: E731
     hf = cfg["model"].startswith("hf-")
@@ -657,8 +656,7 @@ def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
     out = {k: cfg[k] for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
     out["update_every"] = cfg.get("update_every")
-    out["updates_per_window"] = _updates_per_window(cfg["schedule"], cfg["stages"], cfg["microbatches"],
-                                                    cfg.get("update_every"))
+    out["updates_per_window"] = _updates_per_window(cfg)
     out["delay"] = _delay_hparams(cfg)
     return out
 

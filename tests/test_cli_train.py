@@ -101,7 +101,8 @@ def test_update_every_sets_2bws_steps_per_window_and_a_resume_must_keep_them(tmp
     --microbatches is one step per window; a resume with another M (another number of steps per window) is
     refused, naming both; a schedule other than 2bw refuses the flag."""
     from pipeoptim import cli_train
-    assert cli_train._updates_per_window("2bw", 2, 4) == 2 and cli_train._updates_per_window("2bw", 2, 4, 4) == 1
+    run = {"schedule": "2bw", "stages": 2, "microbatches": 4}
+    assert cli_train._updates_per_window(run) == 2 and cli_train._updates_per_window({**run, "update_every": 4}) == 1
     common = [*TINY, "--schedule", "2bw", "--stream", "--eval-every", "0", "--run-dir", str(tmp_path)]
     import pipeoptim.train as train_module
     built = []
