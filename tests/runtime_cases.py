@@ -180,15 +180,19 @@ def one_device_job(device: str, schedule: str, policy, emulate: bool, steps: int
             "params": {k: v.detach().cpu().clone() for k, v in pipe.named_parameters().items()}}
 
 
-def stop_flags(case, asker: int, steps: int = 3) -> list[bool]:
-    """Rank ``asker`` calls ``request_stop`` after the first step; every rank returns ``last_stats["stop"]``
-    after each step (what each rank learns, and when)."""
+def stop_flags(case, askers: tuple[int, ...], steps: int = 3) -> list[list[bool]]:
+    """For each rank in ``askers``, a fresh pipeline on which that rank calls ``request_stop`` after the first
+    step; every rank returns, per asker, ``last_stats["stop"]`` after each step (what each rank learns, and
+    when)."""
     import torch.distributed as dist
-    pipe = make_pipeline(case, emulate=False)
-    seen = []
-    for step in range(steps):
-        pipe.train_step(batch(step))
-        seen.append(pipe.last_stats["stop"])
-        if step == 0 and dist.get_rank() == asker:
-            pipe.request_stop()
-    return seen
+    per_asker = []
+    for asker in askers:
+        pipe = make_pipeline(case, emulate=False)
+        seen = []
+        for step in range(steps):
+            pipe.train_step(batch(step))
+            seen.append(pipe.last_stats["stop"])
+            if step == 0 and dist.get_rank() == asker:
+                pipe.request_stop()
+        per_asker.append(seen)
+    return per_asker
