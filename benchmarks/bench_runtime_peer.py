@@ -24,11 +24,13 @@ prediction is made; the last stage, which never predicts, steps the optimizer it
 (policy 2bw, double-buffered weights) twice: with its default update every m = D micro-batches (the fewest
 it allows, so N/D steps per window), and with m = N, one update per window of N micro-batches, the batch and
 the number of steps of the synchronous rows, taken on weights one update old (the ``update_every`` column:
-micro-batches per optimizer step in every row). Async 1F1B with policy none runs twice: as
-windows (each ``train_step`` fills and drains the pipeline like a synchronous step: the same bubble, plus the
-extra optimizer steps) and as a stream (``Pipeline(stream=True)``: the micro-batches in flight carry from one
-``train_step`` to the next, so a timed step, after the untimed first that fills the pipeline, neither fills nor
-drains); the PipeOptim and 2BW rows run as streams.
+micro-batches per optimizer step in every row); at m = N also with PipeOptim (policy pipeoptim: each forward on
+the weights predicted for its backward, at most one update ahead, instead of 2BW's stashed version). Async
+1F1B with policy none runs twice: as windows (each ``train_step`` fills and drains the pipeline like a
+synchronous step: the same bubble, plus the extra optimizer steps) and as a stream
+(``Pipeline(stream=True)``: the micro-batches in flight carry from one ``train_step`` to the next, so a timed
+step, after the untimed first that fills the pipeline, neither fills nor drains); the PipeOptim and 2BW rows
+run as streams.
 ``--emulated`` adds the one-process rows: an emulated ``Pipeline`` against the plain unpipelined step of the
 same model (forward and backward of every micro-batch, then AdamW); with ``--device cuda --emulated-only``
 they run on the GPU, every stage on it (torch's runtime needs a GPU per rank, so no 4-process rows there).
@@ -74,7 +76,8 @@ SYNC = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "Schedu
 # update per N micro-batches, the synchronous schedules' batch); the first row of a schedule names its default
 # policy
 ASYNC = (("async-1f1b", "none", False, None), ("async-1f1b", "none", True, None),
-         ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None), ("2bw", "2bw", True, "N"))
+         ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None), ("2bw", "2bw", True, "N"),
+         ("2bw", "pipeoptim", True, "N"))
 STAGES = 4                       # processes (pipeline devices) of the side-by-side rows; --ranks 2: 2
 TWO_PER_RANK = ("interleaved", "zbv")
 _GPT_CUTS = {2: [0, 5, 10], 4: [0, 3, 5, 7, 10], 8: [0, 2, 3, 4, 5, 6, 7, 8, 10]}  # over [embedding, 8 blocks, head]

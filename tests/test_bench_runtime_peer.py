@@ -141,7 +141,7 @@ def test_the_asynchronous_rows_run_2bw_with_its_own_policy():
                       timeout_s=240)
     assert bench.ASYNC == (("async-1f1b", "none", False, None), ("async-1f1b", "none", True, None),
                            ("async-1f1b", "pipeoptim", True, None), ("2bw", "2bw", True, None),
-                           ("2bw", "2bw", True, "N"))
+                           ("2bw", "2bw", True, "N"), ("2bw", "pipeoptim", True, "N"))
     assert bench._policy("2bw") == "2bw" and bench._policy("async-1f1b") == "none" and bench._policy("1f1b") == "none"
     assert all(set(t) == {"pipeoptim", "pipeoptim cpu"} and len(t["pipeoptim"]) == 1 for t in per_rank)
 
@@ -160,7 +160,7 @@ def test_2bw_with_one_update_per_window_takes_the_synchronous_rows_batch():
     assert per_window.plan.num_steps == bench.STAGES  # one step per stage per window, as GPipe's
     default = two_bw(None)
     assert [default.plan.update_every(c) for c in default.plan.schedule.chunks[0]] == [bench.STAGES]
-    assert [bench.micro_batches_per_update(s, 8, 4, m) for s, _, _, m in bench.ASYNC] == [1, 1, 1, 4, 8]
+    assert [bench.micro_batches_per_update(s, 8, 4, m) for s, _, _, m in bench.ASYNC] == [1, 1, 1, 4, 8, 8]
     assert bench.micro_batches_per_update("gpipe", 8, 4) == 8
     with pytest.raises(ValueError, match="update_every"):
         bench._update_every(8, "all")

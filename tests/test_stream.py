@@ -110,6 +110,7 @@ def _long_window(case, calls=CALLS):
 STREAM_CASES = [("async-1f1b", "none", 4, 4, 1, {}), ("async-1f1b", "stash", 4, 4, 1, {}),
                 ("async-1f1b", "pipeoptim", 4, 4, 1, {"policy_options": {"fused": False}}),
                 ("2bw", "2bw", 4, 8, 1, {}), ("2bw", "2bw", 4, 8, 1, {"schedule_options": {"update_every": 8}}),
+                ("2bw", "pipeoptim", 4, 8, 1, {"schedule_options": {"update_every": 8}}),
                 ("async-1f1b", "none", 2, 8, 1, {}),
                 ("async-1f1b", "stash", 4, 4, 1, {"precision": "bf16"}),
                 ("async-1f1b", "pipeoptim", 4, 4, 1, {"checkpoint_stages": True, "policy_options": {"fused": False}})]
