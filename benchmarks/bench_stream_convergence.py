@@ -24,8 +24,8 @@ defaults); ``2bw-n`` PipeDream-2BW with one update per window (``--update-every 
     python benchmarks/bench_stream_convergence.py [--configs main 2bw-n] [--seeds 0 1 2] [--jobs 2]
     python benchmarks/bench_stream_convergence.py --report    # the tables from the CSV only
 
-Writes benchmarks/results/stream_convergence.csv (one row per run; runs already there are not run again) and
-prints the tables in markdown, with the command and the CPU.
+Writes benchmarks/results/stream_convergence.csv (one row per run; runs already there are not run again; a
+comment line before each invocation's first row names its command and the CPU) and prints the tables in markdown.
 """
 from __future__ import annotations
 
@@ -104,11 +104,13 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def append_row(path: str, row: dict, header: str) -> None:
+def append_row(path: str, row: dict, command: str | None) -> None:
+    """One run's row; ``command`` (a comment line naming the command and the CPU) goes first when given: the
+    first row of each invocation, so the CSV names every command that added rows."""
     new = not os.path.exists(path)
     with open(path, "a", newline="") as f:
-        if new:
-            f.write(header)
+        if command:
+            f.write(command)
         w = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
             w.writeheader()
@@ -198,12 +200,12 @@ def main(argv=None) -> None:
         done = {_key(r) for r in rows}
         todo = [(c, m, lr, s, args.windows) for c in args.configs for lr in (args.lrs or CONFIGS[c][1])
                 for s in args.seeds for m in MODES if (c, m, lr, s, args.windows) not in done]
-        header = (f"# python benchmarks/bench_stream_convergence.py {' '.join(sys.argv[1:] if argv is None else argv)}"
-                  f"\n# {peer._cpu()}; each run one thread, emulated\n")
+        command = (f"# python benchmarks/bench_stream_convergence.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+                   f"\n# {peer._cpu()}; each run one thread, emulated\n")
         print(f"{len(todo)} runs to do ({len(done)} in {args.csv} already)", flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
-            for row in pool.map(lambda t: run_one(*t), todo):
-                append_row(args.csv, row, header)
+            for i, row in enumerate(pool.map(lambda t: run_one(*t), todo)):
+                append_row(args.csv, row, command if i == 0 else None)
                 rows.append(row)
                 print(f"  {row['config']:9} {row['mode']:7} lr {row['lr']:<8g} seed {row['seed']}: validation "
                       f"{row['val_loss']:.4f}, tail {row['tail_loss']:.4f}, {row['wall_s']} s"

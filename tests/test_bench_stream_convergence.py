@@ -10,23 +10,28 @@ import bench_stream_convergence as bench  # noqa: E402
 
 def test_both_modes_train_the_same_samples_and_a_rerun_resumes_from_the_csv(tmp_path, capsys):
     out = tmp_path / "runs.csv"
-    args = ["--configs", "main", "--seeds", "0", "--lrs", "3e-3", "--windows", "3", "--jobs", "2", "--csv", str(out)]
-    bench.main(args)
+
+    def args(windows):
+        return ["--configs", "main", "--seeds", "0", "--lrs", "3e-3", "--windows", str(windows), "--csv", str(out)]
+    bench.main(args(3))
     rows = bench.read_rows(str(out))
     assert [(r["mode"], r["windows"], r["finished"]) for r in rows] == [("windows", 3, True), ("stream", 3, True)]
     assert out.read_text().startswith("# python benchmarks/bench_stream_convergence.py --configs main")
     windows, stream = rows
     for r in rows:
         assert 0 < r["val_loss"] < 6 and 0 < r["tail_loss"] < 6  # bytes: the first losses are near ln 256 = 5.5
-    # the first call fills the pipeline in both modes and its updates land before the stream's next call, so the
-    # runs part only after it; they did part (the stream leaves micro-batches in flight between calls)
+    # the stream carries micro-batches in flight from one call to the next, so the runs part after the first call
     assert windows["val_loss"] != stream["val_loss"]
     printed = capsys.readouterr().out
     assert "2 runs to do" in printed and "| 0.003 |" in printed
 
-    bench.main(args)  # everything is in the CSV: nothing runs again
+    bench.main(args(3))  # everything is in the CSV: nothing runs again
     assert "0 runs to do (2 in" in capsys.readouterr().out
     assert len(bench.read_rows(str(out))) == 2
+    bench.main(args(2))  # another invocation adds its rows under its own command
+    lines = out.read_text().splitlines()
+    assert [line.split(" --windows ")[1].split()[0] for line in lines if line.startswith("# python")] == ["3", "2"]
+    assert len(bench.read_rows(str(out))) == 4
 
 
 def test_stream_flag_and_end_only_evaluation_reach_pipeoptim_train():
