@@ -194,6 +194,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.windows < 1 or args.jobs < 1:
         ap.error("--windows and --jobs must be at least 1")
+    if args.lrs and not all(lr > 0 for lr in args.lrs):
+        ap.error(f"--lrs must be positive learning rates, got {args.lrs}")
 
     rows = read_rows(args.csv)
     if not args.report:

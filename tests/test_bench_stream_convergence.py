@@ -70,3 +70,13 @@ def test_a_run_that_writes_no_history_is_an_error_with_its_output(monkeypatch):
     with pytest.raises(RuntimeError, match="wrote no history") as e:
         bench.run_one("broken", "windows", 1e-3, 0, 2)
     assert "no-such-model" in str(e.value)
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "runs.csv"
+    for bad, said in ((["--lrs", "0", "-1e-3"], "--lrs must be positive"), (["--windows", "0"], "at least 1"),
+                      (["--configs", "nope"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            bench.main(bad + ["--csv", str(out)])
+        assert said in capsys.readouterr().err
+    assert not out.exists()
