@@ -74,7 +74,7 @@ def test_a_run_that_writes_no_history_is_an_error_with_its_output(monkeypatch):
 
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "runs.csv"
-    for bad, said in ((["--lrs", "0", "-1e-3"], "--lrs must be positive"), (["--windows", "0"], "at least 1"),
+    for bad, said in ((["--lrs", "1e-3", "0"], "--lrs must be positive"), (["--windows", "0"], "at least 1"),
                       (["--configs", "nope"], "invalid choice")):
         with pytest.raises(SystemExit):
             bench.main(bad + ["--csv", str(out)])
