@@ -19,7 +19,9 @@ learning rates and at every learning rate.
 
 Configurations (``--configs``): ``main`` the main job (async 1F1B with PipeOptim, AdamW: ``pipeoptim train``'s
 defaults); ``2bw-n`` PipeDream-2BW with one update per window (``--update-every 8``: the fastest stream of
-``bench_runtime_peer.py``), AdamW; ``2bw-muon`` the ``async-transformer-muon`` recipe (2BW, Muon + AdamW).
+``bench_runtime_peer.py``), AdamW; ``2bw-n-pipeoptim`` the same with PipeOptim's policy (each forward on the
+weights predicted for its backward: as windows there is nothing to predict, as a stream the one update the next
+window's first forwards would miss); ``2bw-muon`` the ``async-transformer-muon`` recipe (2BW, Muon + AdamW).
 
     python benchmarks/bench_stream_convergence.py [--configs main 2bw-n] [--seeds 0 1 2] [--jobs 2]
     python benchmarks/bench_stream_convergence.py --report    # the tables from the CSV only
@@ -50,6 +52,7 @@ RESULTS = os.path.join(HERE, "results")
 CONFIGS = {
     "main": ((), (1.5e-3, 3e-3, 6e-3)),
     "2bw-n": (("--schedule", "2bw", "--update-every", "8"), (1.5e-3, 3e-3, 6e-3)),
+    "2bw-n-pipeoptim": (("--schedule", "2bw", "--policy", "pipeoptim", "--update-every", "8"), (1.5e-3, 3e-3, 6e-3)),
     "2bw-muon": (("--recipe", "async-transformer-muon"), (8e-3, 1.6e-2, 3.2e-2)),
 }
 MODES = ("windows", "stream")

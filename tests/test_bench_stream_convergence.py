@@ -8,7 +8,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_stream_convergence as bench  # noqa: E402
 
 
-def test_both_modes_train_the_same_samples_and_a_rerun_resumes_from_the_csv(tmp_path, capsys):
+def test_both_modes_run_and_a_rerun_resumes_from_the_csv(tmp_path, capsys):
     out = tmp_path / "runs.csv"
 
     def args(windows):

@@ -199,3 +199,20 @@ def test_distributed_stream_equals_the_emulated_one(one_thread):
             assert torch.equal(params[name], value), (case, name)
         for r in results:
             assert r[i]["losses"] == emu["losses"], case
+
+
+def test_2bw_at_one_update_per_window_is_synchronous_as_windows_and_not_as_a_stream(one_thread):
+    """Why a stream of 2BW at m = N learns less per update than its windows (bench_stream_convergence.py): as
+    windows each window's update lands before the next window's first forward, which is GPipe's synchronous
+    training, bit for bit (no clipping: an asynchronous schedule clips each stage by its own norm); as a stream
+    the next window's first forwards start before that update lands, on the weights one update old."""
+    m_n = ("2bw", "2bw", 4, 8, 1, {"schedule_options": {"update_every": 8}})
+    gpipe = rc.train(rc.make_pipeline(("gpipe", "none", 4, 8, 1, {}), emulate=True), steps=3)
+    windows = rc.train(rc.make_pipeline(m_n, emulate=True), steps=3)
+    assert windows["losses"] == gpipe["losses"]
+    for name, value in gpipe["params"].items():
+        assert torch.equal(windows["params"][name], value), name
+    stream = rc.train_stream(rc.make_pipeline(m_n, emulate=True, stream=True), calls=3)
+    assert stream["losses"][0] == gpipe["losses"][0]  # the first window: the initial weights in both
+    assert all(abs(a - b) > 1e-4 for a, b in zip(stream["losses"][1:], gpipe["losses"][1:]))
+    assert any(not torch.equal(stream["params"][k], v) for k, v in gpipe["params"].items())

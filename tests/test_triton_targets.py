@@ -25,8 +25,8 @@ def compiled(request, tmp_path_factory):
     """The records of the targets this run's tests ask for (a pass may deselect one: the oldest torch's pass
     keeps sm_90, the GPU machine's), compiled in a process each, side by side, each with an empty cache."""
     tmp = tmp_path_factory.mktemp("triton_targets")
-    wanted = sorted({item.callspec.params["arch"] for item in request.session.items
-                     if item.module is request.module and "arch" in item.callspec.params})
+    wanted = sorted({item.callspec.params["arch"] for item in request.session.items if item.module is request.module
+                     and hasattr(item, "callspec") and "arch" in item.callspec.params})
     procs = {}
     for arch in wanted:
         env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp / f"cache{arch}")}
