@@ -6,13 +6,15 @@
 # Two lanes run at once, to keep CI within its 20 minutes on 2 cores: the main pass, and beside it the
 # preparation of the oldest torch's venv and extension (one compile job), the fault drills
 # (tests/test_faults.py, test_cli_train_faults.py, test_multinode.py), which spend most of their time waiting
-# for watchdogs and signals to act, and the oldest torch's pass. The second lane's output is printed after the
-# main pass's; one drill runs alone at the end (ALONE below).
+# for watchdogs and signals to act, with the Triton targets' compile after them (tests/test_triton_targets.py,
+# about a minute: there it balances the two lanes), and the oldest torch's pass. The second lane's output is
+# printed after the main pass's; one drill runs alone at the end (ALONE below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 DRILLS=(tests/test_faults.py tests/test_cli_train_faults.py tests/test_multinode.py)
+SECOND_LANE=("${DRILLS[@]}" tests/test_triton_targets.py)  # run by the second lane in this torch, not the main pass
 # a drill whose watchdog is 4 s: it runs alone, after both lanes, so that no other job's load can delay a rank that
 # much
 ALONE=tests/test_faults.py::test_a_rank_frozen_at_start_up_is_named_within_the_bound
@@ -22,8 +24,8 @@ lane_log=build/test_lane_drills.log
     set +e
     echo "==> preparing the oldest torch's venv and extension (scripts/test_oldest_torch.sh --prepare)"
     MAX_JOBS=1 bash scripts/test_oldest_torch.sh --prepare
-    echo "==> the fault drills: ${DRILLS[*]}"
-    python3 -m pytest -q -p no:cacheprovider --durations=10 "${DRILLS[@]}" --deselect "$ALONE" "$@"
+    echo "==> the fault drills, then the Triton targets: ${SECOND_LANE[*]}"
+    python3 -m pytest -q -p no:cacheprovider --durations=10 "${SECOND_LANE[@]}" --deselect "$ALONE" "$@"
     drills=$?
     # no drill collected (a -k that matches none) is fine here: the main pass says whether anything ran
     [ "$drills" -eq 5 ] && drills=0
@@ -41,13 +43,13 @@ set +e
 # torch 2.11 and triton 3.6, the versions the script meets on the GPU.
 python3 -m pytest -q -p no:cacheprovider --durations=25 tests \
     --deselect tests/test_gpu_check.py::test_dry_run_runs_every_step_on_the_cpu \
-    "${DRILLS[@]/#/--ignore=}" "$@"
+    "${SECOND_LANE[@]/#/--ignore=}" "$@"
 status=$?
 wait "$lane"
 drills=$?
 set -e
-echo "==> the second lane (the oldest torch prepared, the fault drills, the oldest torch's pass), whose output" \
-     "follows: exit status $drills"
+echo "==> the second lane (the oldest torch prepared, the fault drills and the Triton targets, the oldest" \
+     "torch's pass), whose output follows: exit status $drills"
 cat "$lane_log"
 if [ "$status" -eq 5 ]; then
     echo "pytest collected no tests: that is a failure, not a pass" >&2
