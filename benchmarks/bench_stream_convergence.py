@@ -84,7 +84,7 @@ def run_one(config: str, mode: str, lr: float, seed: int, windows: int) -> dict:
             history = json.load(f)["history"]
     losses = [h["loss"] for h in history]
     val = next((h["val_loss"] for h in reversed(history) if h.get("val_loss") is not None), math.nan)
-    # a drained stream's last window has no loss of its own (nan): the tail is the windows that trained
+    # finite losses only: a run that stopped at a non-finite loss is marked unfinished, its tail is what came before
     tail = [x for x in losses[-max(1, windows // 10):] if math.isfinite(x)]
     finished = done.returncode == 0 and len(history) == windows and math.isfinite(val)
     return dict(config=config, mode=mode, lr=lr, seed=seed, windows=windows, val_loss=val,
