@@ -53,7 +53,9 @@ name; call ``train_step(batch)`` on every rank.
   window's last forward stay in flight into the next call, so the pipeline fills once and never drains
   between windows, as the asynchronous papers run it (``runtime.stream``). K calls and ``drain()`` apply
   exactly the updates of one call on K x N micro-batches. ``eval_step``, ``state_dict``, ``save`` and
-  ``load`` drain first; each call's loss is its own window's.
+  ``load`` drain first; each call's loss is its own window's. Faster per step, it learns less per update: more
+  of its micro-batches meet the full staleness (``benchmarks/bench_stream_convergence.py``), so it is off by
+  default.
 """
 from __future__ import annotations
 
