@@ -566,6 +566,111 @@ def test_predictions_use_each_param_groups_own_lr(name):
     assert torch.allclose(y, loaded_copy(model, expected)(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("s", [0, 1])
+def test_call_forward_and_call_backward_do_what_the_with_forms_do(name, s):
+    """The runtime's per-action forms give the same outputs, gradients and bookkeeping as the with forms, bit for
+    bit, with a step between the forwards and their backwards where s = 1."""
+    options = {"update_every": 2} if name == "2bw" else {}
+    runs = []
+    for form in ("with", "call"):
+        model, optimizer, pol, _ = build(name, **options)
+        gen = torch.Generator().manual_seed(7)
+        xs = [torch.randn(XWT.example().shape, generator=gen).requires_grad_(True) for _ in range(2)]
+        ys, seen = [], []
+        for mb, x in enumerate(xs):
+            if form == "with":
+                with pol.forward(mb, s=s):
+                    ys.append(model(x))
+            else:
+                ys.append(pol.call_forward(mb, s, 0, model, x))
+            seen.append(pol.in_flight)
+        if s:
+            pol.step(skip=False)
+        for mb, y in enumerate(ys):
+            if form == "with":
+                with pol.backward(mb, s=0):
+                    y.pow(2).sum().backward()
+            else:
+                pol.call_backward(mb, 0, lambda y=y: y.pow(2).sum().backward())
+            seen.append((pol.in_flight, pol._backwards, pol.should_step()))
+        runs.append((ys, xs, {n: p.grad.clone() for n, p in model.named_parameters()}, seen))
+    (ya, xa, ga, sa), (yb, xb, gb, sb) = runs
+    assert sa == sb
+    for a, b in zip(ya + [x.grad for x in xa], yb + [x.grad for x in xb]):
+        assert torch.equal(a, b)
+    for n in ga:
+        assert torch.equal(ga[n], gb[n]), n
+
+
+def test_call_forward_skips_the_scope_only_where_it_would_enter_nothing(monkeypatch):
+    model, optimizer, pol, _ = build("none")
+    scopes = []
+    real = type(pol).forward
+    monkeypatch.setattr(type(pol), "forward", lambda self, *a, **k: (scopes.append(k.get("s")), real(self, *a, **k))[1])
+    pol.call_forward("a", 0, 0, model, XWT.example())                  # none at s = 0: nothing to enter
+    pol.call_forward("b", 0.0, 0.0, model, XWT.example())
+    assert scopes == [] and pol.in_flight == ("a", "b")
+    pol.call_forward("c", 1, 0, model, XWT.example())                  # a step to come: the saved-weight hooks
+    pol.call_forward("d", 0, 1, model, XWT.example())                  # a look-ahead: the with form decides
+    pol.measure_activations = True
+    pol.call_forward("e", 0, 0, model, XWT.example().requires_grad_(True))  # counting: the hooks
+    assert scopes == [1, 0, 0] and pol._act["e"] > 0
+    with pytest.raises(ValueError, match="s must be"):
+        pol.call_forward("f", False, 0, model, XWT.example())          # a bool is refused, as by the with form
+    with pytest.raises(ValueError, match="already in flight"):
+        pol.call_forward("a", 0, 0, pytest.fail)                        # refused before the body runs
+    with torch.no_grad():
+        pol.call_forward("g", 0, 0, model, XWT.example())               # no grad: not in flight
+    assert pol.in_flight == ("a", "b", "c", "d", "e")
+    for name in ("pipeoptim", "stash", "spectrain"):
+        assert type(build(name)[2])._plain_at_s0 is False, name
+
+
+def test_call_backward_refuses_what_the_with_form_refuses_and_a_failure_changes_nothing():
+    model, optimizer, pol, _ = build("none")
+    with pytest.raises(ValueError, match="no forward in flight"):
+        pol.call_backward("a", 0, pytest.fail)
+    x = XWT.example().requires_grad_(True)
+    y = pol.call_forward("a", 0, 0, model, x)
+
+    class Boom(Exception):
+        pass
+
+    def boom():
+        raise Boom
+    with pytest.raises(Boom):
+        pol.call_forward("b", 0, 0, boom)
+    with pytest.raises(Boom):
+        pol.call_backward("a", 0, boom)
+    assert pol.in_flight == ("a",) and pol._backwards == 0             # the failed forward is not in flight
+    with pytest.raises(ValueError, match="s must be"):
+        pol.call_backward("a", -1, pytest.fail)
+    with pol.backward("a", part="input"):
+        pass
+    with pytest.raises(ValueError, match="already ran the input part"):
+        pol.call_backward("a", 0, pytest.fail)
+    with pol.backward("a", part="weight"):
+        y.sum().backward()
+    assert pol.in_flight == () and pol._backwards == 1
+
+
+def test_the_per_class_flags_follow_what_a_class_overrides():
+    from pipeoptim.policies import NoPolicy, StashPolicy
+
+    class Tagging(NoPolicy):
+        def _forward_tag(self, mb, s):
+            return mb
+
+    class Derived(NoPolicy):
+        pass
+
+    assert NoPolicy._plain_at_s0 and Derived._plain_at_s0 and not Tagging._plain_at_s0
+    assert not WeightPolicy._plain_at_s0
+    assert StashPolicy._tracks_gradients and StashPolicy._tracks_releases
+    assert not NoPolicy._tracks_gradients and not NoPolicy._tracks_releases
+
+
 def test_peak_activation_bytes_counts_saved_tensors_of_forwards_in_flight():
     torch.manual_seed(0)
     lin = torch.nn.Linear(8, 8, bias=False)

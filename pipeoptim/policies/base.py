@@ -12,6 +12,8 @@ SpecTrain's and PipeOptim's predictions. The executor codes against `WeightPolic
     ...
     with policy.backward(mb, s=s_bwd):                             # s_bwd: SpecTrain's backward look-ahead
         torch.autograd.backward(y, dy)
+    # the same per action, without a scope object where the policy enters nothing (what the runtime calls):
+    # y = policy.call_forward(mb, s_fwd, s_bwd, stage, x); policy.call_backward(mb, s_bwd, fn, *args)
     # or split (zero-bubble schedules): the input gradient now, the weight gradient later
     with policy.backward(mb, s=s_bwd, part="input"):  ...          # torch.autograd.grad on the inputs
     with policy.backward(mb, s=s_bwd, part="weight"): ...          # the deferred parameter gradients
@@ -61,7 +63,7 @@ Rules for the executor:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, ClassVar, Hashable, Iterator
+from typing import Any, Callable, ClassVar, Hashable, Iterator
 
 import torch
 from torch import nn
@@ -145,6 +147,34 @@ class WeightPolicy:
                              "backward(mb, part='weight')")
         return _BackwardScope(self, mb, s, part)
 
+    def call_forward(self, mb: Hashable, s: float, lookahead: float, fn: Callable, *args) -> Any:
+        """``fn(*args)`` run inside ``forward(mb, s, lookahead)``; returns its result. The same as the ``with``
+        form, for a runtime that runs one forward per action: where the scope would enter nothing (a policy that
+        reads the real weights and lets autograd save them, at s = 0, not counting activations), it checks, runs
+        and records the forward without building a scope, whose objects and calls cost a few µs per action."""
+        if self._plain_at_s0 and not self.measure_activations and \
+                (s.__class__ is int or s.__class__ is float) and s == 0 and \
+                (lookahead.__class__ is int or lookahead.__class__ is float) and lookahead == 0:
+            if mb in self._in_flight:
+                self.forward(mb, s=s, lookahead=lookahead)  # raises the error the with form raises
+            out = fn(*args)
+            if torch.is_grad_enabled():
+                self._in_flight[mb] = None  # (_forward_done: no tag, no activations counted)
+            return out
+        with self.forward(mb, s=s, lookahead=lookahead):
+            return fn(*args)
+
+    def call_backward(self, mb: Hashable, s: float, fn: Callable, *args) -> Any:
+        """``fn(*args)`` run inside ``backward(mb, s)``, a whole backward (not split); returns its result. The same
+        as the ``with`` form without a scope object where the policy enters nothing around a backward."""
+        if not self._reads_own_backward_weights and mb in self._in_flight and mb not in self._input_done and \
+                (s.__class__ is int or s.__class__ is float) and 0 <= s < _INF:
+            out = fn(*args)
+            self._backward_done(mb, "full")
+            return out
+        with self.backward(mb, s=s):
+            return fn(*args)
+
     def _forward_done(self, mb: Hashable, tag: Any, acts: dict | None) -> None:
         """A forward under grad mode finished: mb is in flight until its backward."""
         self._in_flight[mb] = tag
@@ -160,8 +190,10 @@ class WeightPolicy:
             return
         self._input_done.discard(mb)
         tag = self._in_flight.pop(mb)
-        self._gradient_done(mb, tag)
-        self._release(mb, tag)
+        if self._tracks_gradients:
+            self._gradient_done(mb, tag)
+        if self._tracks_releases:
+            self._release(mb, tag)
         self._act_now -= self._act.pop(mb, 0)
         self._backwards += 1
         self.binding.grads_changed()
@@ -370,14 +402,25 @@ class WeightPolicy:
     def peak_activation_bytes(self, value: int) -> None:
         self._peak_act = value
 
-    # whether the class overrides _forward_weights / _backward_weights (set per class: the scopes ask per action)
+    # whether the class overrides _forward_weights / _backward_weights, _gradient_done / _release (set per class:
+    # the scopes ask per action), and whether its forward at s = 0 enters nothing (call_forward's shortcut)
     _reads_own_forward_weights: ClassVar[bool] = False
     _reads_own_backward_weights: ClassVar[bool] = False
+    _tracks_gradients: ClassVar[bool] = False
+    _tracks_releases: ClassVar[bool] = False
+    _plain_at_s0: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._reads_own_forward_weights = cls._forward_weights is not WeightPolicy._forward_weights
         cls._reads_own_backward_weights = cls._backward_weights is not WeightPolicy._backward_weights
+        cls._tracks_gradients = cls._gradient_done is not WeightPolicy._gradient_done
+        cls._tracks_releases = cls._release is not WeightPolicy._release
+        # what _ForwardScope enters nothing for: s = 0 (after _forward_s) with the real weights saved by autograd,
+        # no tag to remember, no weights of its own to lend
+        cls._plain_at_s0 = (cls.saves_real_weights_at_s0 and not cls._reads_own_forward_weights
+                            and cls._forward_tag is WeightPolicy._forward_tag
+                            and cls._forward_s is WeightPolicy._forward_s)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"

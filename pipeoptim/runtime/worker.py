@@ -4,13 +4,14 @@ The distributed executor (one ``DeviceWorker`` per process) and the single-proce
 one process) run the very same code here; they differ only in how tensors travel between workers and how
 collectives are computed. That is what lets the emulator be the executor's oracle.
 
-The worker knows nothing of which weight policy runs: forwards run inside ``policy.forward(mb, s, lookahead)``,
-with s from the schedule (``Plan.s_forward``) and the backward's look-ahead (``Plan.s_backward``), backwards
-inside ``policy.backward(mb, s=look-ahead)``, and ``Step`` actions call
-``policy.step(next_s=...)``. Every chunk's graph is cut at its boundary: inputs arrive detached and get
-``requires_grad``, so a backward runs one chunk and yields the gradients of that chunk's inputs. A split
-backward runs its input-gradient pass (``I``) and later its weight-gradient pass (``W``, ``split_backward``) inside
-the policy's ``backward(..., part="input")`` and ``backward(..., part="weight")``.
+The worker knows nothing of which weight policy runs: forwards run inside ``policy.forward(mb, s, lookahead)``, with
+s from the schedule (``Plan.s_forward``) and the backward's look-ahead (``Plan.s_backward``), backwards inside
+``policy.backward(mb, s=look-ahead)`` (both through ``call_forward`` / ``call_backward``, the same without a scope
+object where the policy enters nothing), and ``Step`` actions call ``policy.step(next_s=...)``. Every chunk's graph
+is cut at its boundary: inputs arrive detached and get ``requires_grad``, so a backward runs one chunk and yields
+the gradients of that chunk's inputs. A split backward runs its input-gradient pass (``I``) and later its
+weight-gradient pass (``W``, ``split_backward``) inside the policy's ``backward(..., part="input")`` and
+``backward(..., part="weight")``.
 """
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ def run_backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None
     on a slow Xeon), and a pipeline runs one backward per micro-batch and stage."""
     _engine_run_backward(tuple(tensors), tuple(grads), False, False, (), allow_unreachable=True,
                          accumulate_grad=True)
+
+
+def _nothing() -> None:
+    """A backward with no output to start from (no output of the stage needs a gradient)."""
 
 
 def as_tuple(x) -> tuple:
@@ -183,9 +188,7 @@ class DeviceWorker:
         else:
             xs = received
         if train:
-            with st.policy.forward(op.mb, s=s, lookahead=lookahead), self._autocast():
-                out = self._run_module(st, xs, op.mb)
-                loss = self.loss_fn(out, self.targets[op.mb]) if last else None
+            out, loss = st.policy.call_forward(op.mb, s, lookahead, self._forward_body, st, xs, op.mb, last)
             if last:
                 self.losses[op.mb] = loss.detach().float()
                 self.saved[key] = (xs, (loss,))  # its backward starts from the loss scale (_loss_seed)
@@ -203,6 +206,15 @@ class DeviceWorker:
         if last:
             return None
         return (outs[0].detach(),) if len(outs) == 1 else tuple(o.detach() for o in outs)
+
+    def _forward_body(self, st: StageRuntime, xs: tuple, mb, last: bool) -> tuple:
+        """What runs inside the policy's forward: the stage, and on the last stage its loss; (output, loss)."""
+        if self.autocast_dtype is None:
+            out = self._run_module(st, xs, mb) if st.checkpoint else st.module(*xs)
+            return out, (self.loss_fn(out, self.targets[mb]) if last else None)
+        with self._autocast():
+            out = self._run_module(st, xs, mb)
+            return out, (self.loss_fn(out, self.targets[mb]) if last else None)
 
     def _run_module(self, st: StageRuntime, xs: tuple, mb):
         if st.checkpoint:   # recomputed in the backward, on the weights the policy names (pipeoptim.recompute)
@@ -225,13 +237,14 @@ class DeviceWorker:
             self.weight_work[key] = (work, lookahead)
             self.busy += time.perf_counter() - t0
             return None if op.stage == 0 else dxs
-        with st.policy.backward(op.mb, s=lookahead):
-            if tensors:
-                run_backward(tensors, grad_tensors)
+        if tensors:
+            st.policy.call_backward(op.mb, lookahead, run_backward, tensors, grad_tensors)
+        else:
+            st.policy.call_backward(op.mb, lookahead, _nothing)
         self.busy += time.perf_counter() - t0
         if op.stage == 0:
             return None
-        return tuple(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs)
+        return tuple([x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs])
 
     def backward_weight(self, op: BackwardWeight) -> None:
         """Run ``op``: the weight gradients its ``I`` deferred, accumulated into the chunk's gradient buffer."""
