@@ -12,7 +12,8 @@ work goes, so that the next change aims at the largest piece instead of a guess:
   the tensors freed between the timed calls); the staged step likewise in its forwards, backwards, optimizer
   steps and the rest (its loop, and what it frees there). Each timed call carries the timer's own cost
   (printed), once per call;
-- by piece, each timed alone (``timeit``) on the same stages: a weight policy's forward and backward scope,
+- by piece, each timed alone (``timeit``) on the same stages: a weight policy's forward and backward as the
+  worker runs them (``call_forward`` and ``call_backward``) and as ``with`` scopes,
   the stage module's wrapper (``StageModule`` around the stage against the stage itself), one activation's copy,
   and the worker's lookup of what it knows of an action.
 
@@ -143,6 +144,10 @@ def by_part(model: str, n: int, rounds: int, warmup: int) -> dict:
     return {"ours": ours, "staged": staged_ms, "calls_per_step": calls}
 
 
+def _nothing() -> None:
+    return None
+
+
 def pieces_us(model: str) -> dict:
     """Microseconds per call of the per-action pieces, each timed alone on the tiny pipeline's second device."""
     from pipeoptim.schedules.actions import Forward
@@ -164,9 +169,15 @@ def pieces_us(model: str) -> dict:
             pass
         with policy.backward(0, s=0):
             pass
+
+    def call_cycle():  # what the worker runs
+        policy.call_forward(0, 0, 0, _nothing)
+        policy.call_backward(0, 0, _nothing)
     inner = module.layers[0]
     each = lambda fn: min(timeit.repeat(fn, number=5000, repeat=5)) / 5000 * 1e6  # noqa: E731
-    out = {"policy scopes, one forward + one backward": each(scope_cycle)}  # (a forward in flight needs grad mode)
+    # (a forward in flight needs grad mode)
+    out = {"policy's call_forward + call_backward (the runtime's)": each(call_cycle),
+           "policy scopes, one forward + one backward (with forms)": each(scope_cycle)}
     with torch.no_grad():
         out["stage module wrapper (StageModule(stage) - stage)"] = each(lambda: module(h)) - each(lambda: inner(h))
         out["one activation's copy (clone)"] = each(lambda: h.clone())
@@ -207,7 +218,7 @@ def main(argv=None) -> int:
     lines.append(f"{'the step':36} {ours['total']:13.3f} {staged['total']:10.3f} "
                  f"{1e3 * (ours['total'] - staged['total']) / actions:20.2f}")
     lines += ["", "pieces, each timed alone (us per call):"]
-    lines += [f"  {name:52} {us:7.2f}" for name, us in pieces_us(args.model).items()]
+    lines += [f"  {name:56} {us:7.2f}" for name, us in pieces_us(args.model).items()]
     report = "\n".join(lines)
     print(report)
     if args.out:

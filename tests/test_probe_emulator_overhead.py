@@ -22,7 +22,8 @@ def test_the_report_has_every_part_and_piece(capsys, tmp_path):
         rows = [line for line in out.splitlines() if line.strip().startswith(label)]
         assert len(rows) == 1, label
     assert "(72 timed calls" in out  # 32 forwards, 32 backwards, 4 steps, 4 norms
-    for piece in ("policy scopes", "stage module wrapper", "one activation's copy", "the worker's lookup"):
+    for piece in ("policy's call_forward + call_backward", "policy scopes", "stage module wrapper",
+                  "one activation's copy", "the worker's lookup"):
         rows = [line for line in out.splitlines() if line.strip().startswith(piece)]
         assert len(rows) == 1 and float(rows[0].split()[-1]) > -1.0, piece  # (a difference of two timings)
     assert out_file.read_text().strip() == out.strip()
