@@ -665,7 +665,27 @@ def test_the_per_class_flags_follow_what_a_class_overrides():
     class Derived(NoPolicy):
         pass
 
+    calls = []
+
+    class OwnForward(NoPolicy):
+        def forward(self, mb, s=0, lookahead=0):
+            calls.append(("forward", mb))
+            return super().forward(mb, s, lookahead)
+
+    class OwnBackward(NoPolicy):
+        def backward(self, mb, s=0, part="full"):
+            calls.append(("backward", mb))
+            return super().backward(mb, s, part)
+
     assert NoPolicy._plain_at_s0 and Derived._plain_at_s0 and not Tagging._plain_at_s0
+    assert not OwnForward._plain_at_s0 and OwnForward._plain_backward    # a redefined forward is always called
+    assert OwnBackward._plain_at_s0 and not OwnBackward._plain_backward
+    for cls in (OwnForward, OwnBackward):                                # and the runtime's calls reach them
+        model = XWT()
+        pol = cls(model, O.SGD(model.parameters(), lr=0.1))
+        y = pol.call_forward(0, 0, 0, model, XWT.example())
+        pol.call_backward(0, 0, lambda: y.sum().backward())
+    assert calls == [("forward", 0), ("backward", 0)]
     assert not WeightPolicy._plain_at_s0
     assert StashPolicy._tracks_gradients and StashPolicy._tracks_releases
     assert not NoPolicy._tracks_gradients and not NoPolicy._tracks_releases

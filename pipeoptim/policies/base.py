@@ -167,7 +167,7 @@ class WeightPolicy:
     def call_backward(self, mb: Hashable, s: float, fn: Callable, *args) -> Any:
         """``fn(*args)`` run inside ``backward(mb, s)``, a whole backward (not split); returns its result. The same
         as the ``with`` form without a scope object where the policy enters nothing around a backward."""
-        if not self._reads_own_backward_weights and mb in self._in_flight and mb not in self._input_done and \
+        if self._plain_backward and mb in self._in_flight and mb not in self._input_done and \
                 (s.__class__ is int or s.__class__ is float) and 0 <= s < _INF:
             out = fn(*args)
             self._backward_done(mb, "full")
@@ -403,12 +403,14 @@ class WeightPolicy:
         self._peak_act = value
 
     # whether the class overrides _forward_weights / _backward_weights, _gradient_done / _release (set per class:
-    # the scopes ask per action), and whether its forward at s = 0 enters nothing (call_forward's shortcut)
+    # the scopes ask per action), and whether its forward at s = 0 and its backward enter nothing (the shortcuts
+    # of call_forward and call_backward)
     _reads_own_forward_weights: ClassVar[bool] = False
     _reads_own_backward_weights: ClassVar[bool] = False
     _tracks_gradients: ClassVar[bool] = False
     _tracks_releases: ClassVar[bool] = False
     _plain_at_s0: ClassVar[bool] = False
+    _plain_backward: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -417,10 +419,14 @@ class WeightPolicy:
         cls._tracks_gradients = cls._gradient_done is not WeightPolicy._gradient_done
         cls._tracks_releases = cls._release is not WeightPolicy._release
         # what _ForwardScope enters nothing for: s = 0 (after _forward_s) with the real weights saved by autograd,
-        # no tag to remember, no weights of its own to lend
+        # no tag to remember, no weights of its own to lend; and a class that redefines forward, backward or what
+        # they record keeps its own (the shortcuts would pass it by)
         cls._plain_at_s0 = (cls.saves_real_weights_at_s0 and not cls._reads_own_forward_weights
                             and cls._forward_tag is WeightPolicy._forward_tag
-                            and cls._forward_s is WeightPolicy._forward_s)
+                            and cls._forward_s is WeightPolicy._forward_s
+                            and cls.forward is WeightPolicy.forward
+                            and cls._forward_done is WeightPolicy._forward_done)
+        cls._plain_backward = not cls._reads_own_backward_weights and cls.backward is WeightPolicy.backward
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"
