@@ -2,7 +2,6 @@
 single-process training, and the distributed executor (gloo, spawned processes) against the emulator."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
