@@ -49,6 +49,15 @@ SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
     "hf-llama": (64, 4, 4, 64),  # transformers.LlamaForCausalLM, meta-built
 }
 OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon on the matrices + AdamW
+# --lr when none is given. On the default run (the small GPT, 4 stages, 8 micro-batches, AdamW; 3 seeds, each lr
+# bracketed on both sides) asynchronous 1F1B learned best at a quarter of the lr that suited the synchronous weights
+# (2BW with one update per window, GPipe's weights): 7.5e-4 against 3e-3, validation 2.051 against 2.223 at 3e-3.
+DEFAULT_LR, ASYNC_1F1B_ADAMW_LR = 3e-3, 7.5e-4
+
+
+def default_lr(schedule: str, optimizer: str) -> float:
+    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pair)."""
+    return ASYNC_1F1B_ADAMW_LR if (schedule, optimizer) == ("async-1f1b", "adamw") else DEFAULT_LR
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
 # with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
@@ -130,9 +139,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "m+τ(0.99−m)/P; graphcore: 1−(1−m)(0.1+0.9(1−τ/τmax)))")
     p.add_argument("--delay-warmup", type=_non_negative_int, default=0,
                    help="warm-up K in updates for the delay rules (pipemare's K; else a linear ramp)")
-    p.add_argument("--lr", type=_positive_float, default=3e-3,
-                   help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth); "
-                        "with --resume a new value applies from the checkpoint's step on")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth; "
+                        f"default: {ASYNC_1F1B_ADAMW_LR:g} for async-1f1b with adamw, the default pair, "
+                        f"{DEFAULT_LR:g} otherwise: each the best of a 3-seed sweep on the default run, README "
+                        "'Windows or a stream'); with --resume a value you give applies from the checkpoint's "
+                        "step on, and without one the checkpoint's stays")
     p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per schedule window")
     p.add_argument("--microbatch-size", type=_positive_int, default=4, help="sequences per micro-batch")
     p.add_argument("--steps", type=_positive_int, default=200, help="schedule windows (train_step calls) to run")
@@ -333,7 +345,8 @@ def _config(args) -> dict:
             raise ConfigError(f"--model {args.model}: {e}") from None
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
     cfg = dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy, vocab_size=VOCAB_SIZE,
-               cores=_cores())
+               cores=_cores(), lr_given=args.lr is not None,
+               lr=args.lr if args.lr is not None else default_lr(args.schedule, args.optimizer))
     _check_prediction(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
@@ -515,7 +528,7 @@ def train_worker(cfg: dict) -> dict:
         gen.set_state(extra["gen"])
         history = extra["history"]
         start = pipe.step_count
-        changed = _apply_lr(pipe, cfg["lr"], lr_lambda)
+        changed = _apply_lr(pipe, cfg["lr"], lr_lambda) if cfg.get("lr_given", True) else []
         if rank == 0:
             for line in changed + _changed_clip(extra.get("config") or {}, cfg):
                 print(f"pipeoptim train: {line}", file=sys.stderr)
