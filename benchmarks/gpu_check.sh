@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one check for a lent GPU (an H200 with torch 2.11 + triton 3.6 + nvcc 13.0 preinstalled, 16 cores,
-# no network): build the extension, run tests/gpu, benchmark the kernels, run the runtime on the GPU.
+# no network): build the extension, run tests/gpu, benchmark the kernels, run the runtime on the GPU and
+# time its emulated step against the plain one.
 # Each step is one line of the step runner (benchmarks/step_runner.sh): its own time limit, its CSV
 # under $OUT, its output in $OUT/log.txt, a row in $OUT/steps.csv and $OUT/summary.txt rewritten as it
-# ends (7 files in all: the device tool returns at most 8), so a step
-# that fails or times out keeps what the others made. The limits add to 555 s and the runner cuts the
-# last ones to a 560-s total: give the device command timeout_s=590.
+# ends (8 files in all: as many as the device tool returns), so a step
+# that fails or times out keeps what the others made. The limits add to 545 s and the runner cuts the
+# last ones to a 560-s total: give the device command timeout_s=590. (The H200's run of 2026-12-04 took
+# 170 s for the first five steps.)
 #
 #     bash benchmarks/gpu_check.sh              # on the GPU machine; results in $OUT (default /tmp/gpu_check)
 #     bash benchmarks/gpu_check.sh --dry-run    # on a CPU: every step in its --device cpu --quick form
@@ -29,10 +31,14 @@ OUT="${OUT:-/tmp/gpu_check}"
 export PY=python3 DRY OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY" = 1 ]; then
     export DEV=cpu QUICK=--quick TRITON_INTERPRET=1 PIPEOPTIM_GPU_TESTS_ON_CPU=1 KERNEL_SIZES=""
+    export PEER_ARGS="--models tiny --rounds 2 --warmup 1"
     export STEP_LIMIT_SCALE="${STEP_LIMIT_SCALE:-4}"  # the CPU forms are not sized to the GPU's minutes
     STEPS_TITLE="gpu_check dry run on the CPU"
 else
     export DEV=cuda QUICK="" TRITON_INTERPRET=0 PIPEOPTIM_GPU_TESTS_ON_CPU=0 KERNEL_SIZES="--sizes 256M,1G --rounds 5"
+    # issue 23's emulated rows on the GPU, where a stage's forward takes microseconds and the runtime's own work per
+    # action shows most: an emulated 1F1B step against the plain step and the staged floor (~40 s on an H200)
+    export PEER_ARGS="--models tiny gpt --rounds 40 --warmup 5"
     STEPS_TITLE="gpu_check on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 fi
 # the toolkit setup.py builds with (the nvcc on PATH seen through wrapper scripts: pipeoptim_kernels/_build.py)
@@ -96,8 +102,9 @@ export -f report_env build_extension
 
 steps_begin "$OUT" 560
 run_step env        30 'report_env'
-run_step build     165 'build_extension'
-run_step tests_gpu 150 'PIPEOPTIM_GPU_TESTS_CSV=$OUT/tests_gpu.csv $PY -m pytest -q -p no:cacheprovider tests/gpu'
+run_step build     150 'build_extension'
+run_step tests_gpu 120 'PIPEOPTIM_GPU_TESTS_CSV=$OUT/tests_gpu.csv $PY -m pytest -q -p no:cacheprovider tests/gpu'
 run_step kernels    90 '$PY benchmarks/bench_kernels.py --device $DEV $QUICK $KERNEL_SIZES --rules adam,sgd --out $OUT/kernels_$DEV.csv --no-plot'
-run_step runtime   120 '$PY benchmarks/bench_large.py --device $DEV $QUICK --mode emulate --policies pipeoptim,none --timeout-s 55 --csv $OUT/large.csv'
+run_step runtime    90 '$PY benchmarks/bench_large.py --device $DEV $QUICK --mode emulate --policies pipeoptim,none --timeout-s 55 --csv $OUT/large.csv'
+run_step runtime_peer 65 '$PY benchmarks/bench_runtime_peer.py --emulated-only --device $DEV $PEER_ARGS --microbatches 8 --csv $OUT/runtime_peer.csv'
 steps_end

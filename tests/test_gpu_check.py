@@ -57,7 +57,7 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
                        text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-8000:]
     steps = _steps(tmp_path)
-    assert list(steps) == ["env", "build", "tests_gpu", "kernels", "runtime"]
+    assert list(steps) == ["env", "build", "tests_gpu", "kernels", "runtime", "runtime_peer"]
     for name, row in steps.items():
         assert row["status"] == "ok", (name, row, (tmp_path / "log.txt").read_text()[-3000:])
     with open(tmp_path / "env.csv") as f:
@@ -74,6 +74,10 @@ def test_dry_run_runs_every_step_on_the_cpu(tmp_path):
     with open(tmp_path / "large.csv") as f:
         large_rows = list(csv.DictReader(f))
     assert {r["policy"] for r in large_rows} >= {"pipeoptim", "none"}, large_rows
+    with open(tmp_path / "runtime_peer.csv") as f:
+        peer_rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    assert {(r["model"], r["peer"]) for r in peer_rows} == {("tiny", "plain"), ("tiny", "staged")}, peer_rows
+    assert all(float(r["ratio"]) > 0 for r in peer_rows)
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("gpu_check dry run on the CPU") and "failed: none" in summary
 
@@ -83,7 +87,7 @@ def test_step_limits_fit_one_device_command():
     text = (ROOT / "benchmarks" / "gpu_check.sh").read_text()
     limits = [int(line.split()[2]) for line in text.splitlines() if line.startswith("run_step ")]
     total = int(next(line.split()[2] for line in text.splitlines() if line.startswith("steps_begin ")))
-    assert len(limits) == 5 and sum(limits) <= total <= 570
+    assert len(limits) == 6 and sum(limits) <= total <= 570
 
 
 @pytest.mark.parametrize("arg", ["--dryrun", "extra"])
