@@ -2,21 +2,38 @@
 # Installs everything the project needs into the python3 first on PATH (a venv if one is active: see the
 # README's "Set-up"), then builds the kernels extension. Says what each step does and about how long it takes.
 # Idempotent: a second run only rebuilds what changed. Used by main.sh, test.sh and CI.
+#     bash scripts/install.sh                    # the packages, then the extension
+#     bash scripts/install.sh --packages-only    # the packages alone, then
+#     bash scripts/install.sh --extension-only   # the extension alone (test.sh sets up the oldest torch's venv,
+#                                                # which needs the packages, while the extension builds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+packages=1 extension=1
+case "${1:-}" in
+    "") ;;
+    --packages-only) extension=0 ;;
+    --extension-only) packages=0 ;;
+    *) echo "usage: bash scripts/install.sh [--packages-only | --extension-only]" >&2; exit 2 ;;
+esac
 START=$(date +%s)
 step() { echo "==> [$(( $(date +%s) - START )) s] $*"; }
 PIP=(python3 -m pip install --disable-pip-version-check)
 
-step "installing into $(python3 -c 'import sys; print(sys.prefix)') ($(python3 -c 'import sys; print(sys.executable)')):" \
-     "torch 2.14.1 with its CUDA 13 libraries and triton (about 5.5 GB), numpy, matplotlib, tqdm, pytest," \
-     "scikit-learn, ninja; minutes on a fresh machine, seconds once installed"
-"${PIP[@]}" "torch==2.14.1" triton numpy matplotlib tqdm pytest scikit-learn ninja setuptools wheel \
-    | { grep -v '^Requirement already satisfied' || true; }  # (pip's own failure still stops the script)
-# optional extras (pipeoptim[hf], pipeoptim[vision]): Hugging Face and torchvision models; their tests skip
-# without them, and CI installs them so they run. torchvision must match torch (0.29.1 <-> 2.14.1).
-step "installing the optional extras transformers 5.24.0 and torchvision 0.29.1 (about 0.1 GB)"
-"${PIP[@]}" --quiet "transformers==5.24.0" "torchvision==0.29.1"
+if [ "$packages" -eq 1 ]; then
+    step "installing into $(python3 -c 'import sys; print(sys.prefix)') ($(python3 -c 'import sys; print(sys.executable)')):" \
+         "torch 2.14.1 with its CUDA 13 libraries and triton (about 5.5 GB), numpy, matplotlib, tqdm, pytest," \
+         "scikit-learn, ninja; minutes on a fresh machine, seconds once installed"
+    "${PIP[@]}" "torch==2.14.1" triton numpy matplotlib tqdm pytest scikit-learn ninja setuptools wheel \
+        | { grep -v '^Requirement already satisfied' || true; }  # (pip's own failure still stops the script)
+    # optional extras (pipeoptim[hf], pipeoptim[vision]): Hugging Face and torchvision models; their tests skip
+    # without them, and CI installs them so they run. torchvision must match torch (0.29.1 <-> 2.14.1).
+    step "installing the optional extras transformers 5.24.0 and torchvision 0.29.1 (about 0.1 GB)"
+    "${PIP[@]}" --quiet "transformers==5.24.0" "torchvision==0.29.1"
+fi
+if [ "$extension" -eq 0 ]; then
+    step "packages installed (--packages-only: the extension is not built)"
+    exit 0
+fi
 
 # The CUDA kernels compile wherever a CUDA toolkit is found (they run only on a GPU): setup.py finds it as
 # torch does (CUDA_HOME, else the nvcc on PATH, seen through wrapper scripts, else /usr/local/cuda), checks

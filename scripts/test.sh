@@ -8,18 +8,33 @@
 # (tests/test_faults.py, test_cli_train_faults.py, test_multinode.py), which spend most of their time waiting
 # for watchdogs and signals to act, with the Triton targets' compile after them (tests/test_triton_targets.py,
 # about a minute: there it balances the two lanes), and the oldest torch's pass. The second lane's output is
-# printed after the main pass's; one drill runs alone at the end (ALONE below).
+# printed after the main pass's; one drill runs alone at the end (ALONE below). The oldest torch's venv is set up
+# earlier still, while the main extension compiles: the second lane is the longer one.
+#
+# Both passes launch their multi-process jobs with PIPEOPTIM_LAUNCH_METHOD=forkserver: the workers are forked
+# from a server that imported torch once, where spawn spends ~3 s of CPU importing torch in every worker (of a
+# pass's CPU time, the largest share). The fault drills keep spawn, the default users run; tests/test_launcher.py
+# checks both methods.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+mkdir -p build
+lane_log=build/test_lane_drills.log
+# The packages first; then the oldest torch's venv (pip alone, about 100 s: the second lane's first step, which
+# needs the packages' torch to find its CUDA libraries) is set up while the extension compiles.
+bash scripts/install.sh --packages-only
+(
+    echo "==> the oldest torch's venv, set up while the extension builds (scripts/test_oldest_torch.sh --venv-only)"
+    bash scripts/test_oldest_torch.sh --venv-only || echo "(the second lane sets it up again and says why it failed)"
+) > "$lane_log" 2>&1 &
+venv=$!
+bash scripts/install.sh --extension-only
+wait "$venv"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 DRILLS=(tests/test_faults.py tests/test_cli_train_faults.py tests/test_multinode.py)
 SECOND_LANE=("${DRILLS[@]}" tests/test_triton_targets.py)  # run by the second lane in this torch, not the main pass
 # a drill whose watchdog is 4 s: it runs alone, after both lanes, so that no other job's load can delay a rank that
 # much
 ALONE=tests/test_faults.py::test_a_rank_frozen_at_start_up_is_named_within_the_bound
-mkdir -p build
-lane_log=build/test_lane_drills.log
 (
     set +e
     echo "==> preparing the oldest torch's venv and extension (scripts/test_oldest_torch.sh --prepare)"
@@ -32,16 +47,16 @@ lane_log=build/test_lane_drills.log
     # The kernel and runtime tests once more under the oldest supported torch, the GPU machine's (torch 2.11 +
     # triton 3.6, its own venv).
     echo "==> the oldest torch's pass (scripts/test_oldest_torch.sh)"
-    bash scripts/test_oldest_torch.sh "$@"
+    PIPEOPTIM_LAUNCH_METHOD=forkserver bash scripts/test_oldest_torch.sh "$@"
     oldest=$?
     [ "$drills" -eq 0 ] && drills=$oldest
     exit "$drills"
-) > "$lane_log" 2>&1 &
+) >> "$lane_log" 2>&1 &
 lane=$!
 set +e
 # The GPU script's dry run (a minute) runs once, in the second lane's oldest-torch pass: that pass has the GPU machine's
 # torch 2.11 and triton 3.6, the versions the script meets on the GPU.
-python3 -m pytest -q -p no:cacheprovider --durations=25 tests \
+PIPEOPTIM_LAUNCH_METHOD=forkserver python3 -m pytest -q -p no:cacheprovider --durations=25 tests \
     --deselect tests/test_gpu_check.py::test_dry_run_runs_every_step_on_the_cpu \
     "${SECOND_LANE[@]/#/--ignore=}" "$@"
 status=$?

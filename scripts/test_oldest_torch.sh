@@ -11,14 +11,18 @@
 # after the main suite; alone (after scripts/install.sh):
 #     bash scripts/test_oldest_torch.sh [pytest arguments]
 #     bash scripts/test_oldest_torch.sh --prepare   # only the venv and the extension (test.sh runs this early)
+#     bash scripts/test_oldest_torch.sh --venv-only # only the venv (test.sh: while the main extension builds)
 # The first run downloads torch's CUDA wheel (about 0.5 GB). Importing that torch needs CUDA 13's runtime
 # libraries even on a CPU; they are not downloaded again (about 3 GB): the venv links the ones the main
 # install's torch (also a CUDA 13 build) brought. Without those, torch's own requirements are installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-prepare_only=0
+prepare_only=0 venv_only=0
 if [ "${1:-}" = "--prepare" ]; then
     prepare_only=1
+    shift
+elif [ "${1:-}" = "--venv-only" ]; then
+    venv_only=1
     shift
 fi
 
@@ -55,6 +59,10 @@ PY
         pip_install "torch==$TORCH_VERSION" "triton==$TRITON_VERSION"
     fi
     pip_install numpy matplotlib tqdm pytest scikit-learn ninja setuptools wheel
+fi
+if [ "$venv_only" -eq 1 ]; then
+    echo "$VENV is ready (torch $TORCH_VERSION, triton $TRITON_VERSION)"
+    exit 0
 fi
 
 # The extension for this torch, in the venv: the same setup.py the GPU machine builds with (it finds the
