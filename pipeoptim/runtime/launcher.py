@@ -19,7 +19,7 @@ returning anything else (an object of its own class, a numpy array) fails with a
   torch. ``PIPEOPTIM_LAUNCH_METHOD=forkserver`` forks the workers instead from one server process that imported
   torch once (and lives as long as this process): for a script or a test suite that launches many jobs, each
   job then starts in a fraction of the time. A worker still gets this process's environment as it is at
-  ``launch`` and dies with this process (the server ends with it, and the worker with the server).
+  ``launch`` and dies with this process (a thread of it waits for this process to end).
 - A worker that raises publishes its error (``faults``); every other rank's watchdog then ends its process.
   A worker killed by a signal (the out-of-memory killer's SIGKILL) cannot say anything: this process sees
   its exit within ``POLL_S``, publishes "rank r ... was killed by SIGKILL" for the others and raises with it.
@@ -40,6 +40,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import pickle
+import select
 import signal
 import tempfile
 import threading
@@ -101,16 +102,39 @@ def host_store(port: int | None, world_size: int):
 
 
 def _die_with(parent: int, via_server: bool) -> None:
-    """Linux: SIGKILL this process when ``parent`` (the launcher) dies; a worker forked by the forkserver dies
-    with the server, which ends when the launcher does."""
+    """Linux: SIGKILL this process when ``parent`` (the launcher) dies. A worker the forkserver forked is the
+    server's child, and the server outlives the launcher while any of its workers lives (each holds the
+    server's liveness pipe): such a worker watches the launcher itself (``_watch``)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         libc.prctl(15, f"pipeoptim-r{os.environ['RANK']}".encode()[:15])  # PR_SET_NAME: ps, top
     except (OSError, AttributeError):
         pass
-    if not (_alive(parent) if via_server else os.getppid() == parent):  # it died before prctl took effect
+    if via_server:
+        _watch(parent)
+    elif os.getppid() != parent:  # the launcher died before prctl took effect
         os._exit(faults.ABORT_EXIT)
+
+
+def _watch(launcher: int) -> None:
+    """SIGKILL this process as soon as ``launcher`` ends, from a daemon thread: it waits on a pidfd (Linux 5.3),
+    else it looks every ``POLL_S``."""
+    try:
+        handle = os.pidfd_open(launcher)
+    except ProcessLookupError:  # already gone
+        os._exit(faults.ABORT_EXIT)
+    except (AttributeError, OSError):
+        handle = None
+
+    def wait_then_die() -> None:
+        if handle is not None:
+            select.select([handle], [], [])  # readable once the process has ended
+        else:
+            while _alive(launcher):
+                time.sleep(POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=wait_then_die, name="pipeoptim-launcher-watch", daemon=True).start()
 
 
 def _alive(pid: int) -> bool:
