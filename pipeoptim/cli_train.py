@@ -53,11 +53,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon 
 # bracketed on both sides) asynchronous 1F1B learned best at a quarter of the lr that suited the synchronous weights
 # (2BW with one update per window, GPipe's weights): 7.5e-4 against 3e-3, validation 2.051 against 2.223 at 3e-3.
 DEFAULT_LR, ASYNC_1F1B_ADAMW_LR = 3e-3, 7.5e-4
-
-
-def default_lr(schedule: str, optimizer: str) -> float:
-    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pair)."""
-    return ASYNC_1F1B_ADAMW_LR if (schedule, optimizer) == ("async-1f1b", "adamw") else DEFAULT_LR
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
 # with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
@@ -183,6 +178,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(_flag_defaults={dest: p.get_default(dest) for dest in RECIPE_FLAGS})
     return p
+
+
+def default_lr(schedule: str, optimizer: str) -> float:
+    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pair)."""
+    return ASYNC_1F1B_ADAMW_LR if (schedule, optimizer) == ("async-1f1b", "adamw") else DEFAULT_LR
 
 
 def recipe_names() -> list[str]:
