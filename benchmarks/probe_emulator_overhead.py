@@ -148,6 +148,16 @@ def _nothing() -> None:
     return None
 
 
+def extra_us(fn, base, rounds: int = 7, number: int = 2000) -> float:
+    """Microseconds per call that ``fn`` takes beyond ``base``: the difference of their fastest rounds, the two
+    timed in alternating rounds so that a burst of load elsewhere reaches both minima alike."""
+    fn_us, base_us = [], []
+    for _ in range(rounds):
+        fn_us.append(timeit.timeit(fn, number=number) / number * 1e6)
+        base_us.append(timeit.timeit(base, number=number) / number * 1e6)
+    return min(fn_us) - min(base_us)
+
+
 def pieces_us(model: str) -> dict:
     """Microseconds per call of the per-action pieces, each timed alone on the tiny pipeline's second device."""
     from pipeoptim.schedules.actions import Forward
@@ -179,12 +189,7 @@ def pieces_us(model: str) -> dict:
     out = {"policy's call_forward + call_backward (the runtime's)": each(call_cycle),
            "policy scopes, one forward + one backward (with forms)": each(scope_cycle)}
     with torch.no_grad():
-        # the two timed in alternating rounds, so that a burst of load elsewhere reaches both minima alike
-        wrapped, bare = [], []
-        for _ in range(7):
-            wrapped.append(min(timeit.repeat(lambda: module(h), number=2000, repeat=1)) / 2000 * 1e6)
-            bare.append(min(timeit.repeat(lambda: inner(h), number=2000, repeat=1)) / 2000 * 1e6)
-        out["stage module wrapper (StageModule(stage) - stage)"] = min(wrapped) - min(bare)
+        out["stage module wrapper (StageModule(stage) - stage)"] = extra_us(lambda: module(h), lambda: inner(h))
         out["one activation's copy (clone)"] = each(lambda: h.clone())
     out["the worker's lookup of an action (_about)"] = each(lambda: worker._about(op))
     return out
