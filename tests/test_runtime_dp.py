@@ -129,11 +129,68 @@ def reference(name: str):
     return {k: v.detach().clone() for k, v in pipe.named_parameters().items()}, losses, norms, skipped
 
 
+def normed_blocks() -> list[nn.Module]:
+    """Linear, BatchNorm, Linear, BatchNorm: running statistics that differ between the replicas."""
+    torch.manual_seed(0)
+    return [Block(), nn.BatchNorm1d(WIDTH), Block(), nn.BatchNorm1d(WIDTH)]
+
+
+def normed_pipeline(emulate: bool):
+    from pipeoptim.train import Pipeline
+    return Pipeline(normed_blocks(), loss_fn=mse, optimizer=sgd, schedule="1f1b", microbatches=N, devices=D,
+                    emulate=emulate, dp=1 if emulate else DP)
+
+
+def trained_normed_pipeline(emulate: bool, steps: int = 2):
+    from pipeoptim.runtime.data_parallel import replica_rows
+    pipe = normed_pipeline(emulate)
+    for step in range(steps):
+        pipe.train_step(global_batch(step, "") if emulate else replica_rows(global_batch(step, ""), pipe.dp_rank, DP))
+    return pipe
+
+
+def own_state(pipe) -> dict:
+    """This rank's parameters and buffers, by global name."""
+    return {"params": {k: v.detach().clone() for k, v in pipe.named_parameters().items()},
+            "buffers": pipe.state_dict()["buffers"]}
+
+
+def checkpoint_job(root: str) -> dict:
+    """Rank side: a dp=2 run saves; a fresh dp=2 pipeline resumes it and takes the next step beside the run; a
+    third loads ``root/dp1``, written by one pipeline before the launch."""
+    import os
+
+    from pipeoptim.runtime.data_parallel import replica_rows
+    pipe = trained_normed_pipeline(emulate=False)
+    saved = own_state(pipe)
+    pipe.save(os.path.join(root, "dp2"))
+    resumed = normed_pipeline(emulate=False)
+    resumed.load(os.path.join(root, "dp2"))
+    out = {"saved": saved, "resumed": own_state(resumed)}
+    batch = replica_rows(global_batch(2, ""), pipe.dp_rank, DP)
+    out["next_loss"], out["next_loss_resumed"] = pipe.train_step(batch), resumed.train_step(batch)
+    from_one = normed_pipeline(emulate=False)
+    from_one.load(os.path.join(root, "dp1"))
+    out["from_one_pipeline"] = own_state(from_one)
+    return out
+
+
+def ranks_job(names, root):
+    return {"cases": dp_job(names), "checkpoint": checkpoint_job(root)}
+
+
 @pytest.fixture(scope="module")
-def dp_results():
-    names = list(CASES)
-    results = launch(dp_job, D * DP, names, timeout_s=240)
-    return {name: [r[i] for r in results] for i, name in enumerate(names)}
+def dp_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dp_checkpoints")
+    one = trained_normed_pipeline(emulate=True)
+    one.save(str(root / "dp1"))
+    return root, launch(ranks_job, D * DP, list(CASES), str(root), timeout_s=240), own_state(one)
+
+
+@pytest.fixture(scope="module")
+def dp_results(dp_run):
+    results = [r["cases"] for r in dp_run[1]]
+    return {name: [r[i] for r in results] for i, name in enumerate(CASES)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -190,3 +247,52 @@ def test_data_parallel_syncs_of_a_single_replica_change_nothing(one_thread):
         assert plain.train_step(global_batch(step, "")) == synced.train_step(global_batch(step, ""))
     for k, v in plain.named_parameters().items():
         assert torch.equal(v, synced.named_parameters()[k]), k
+
+
+def test_a_dp_checkpoint_holds_the_model_once_and_each_replicas_statistics(dp_run):
+    from pipeoptim.runtime import checkpoint_files as files
+    from pipeoptim.runtime.checkpoint import read
+    root, ranks, _ = dp_run
+    (step_dir,) = (root / "dp2").glob("step-*")
+    assert files.verify(str(step_dir))["dp"] == 2
+    parts = [read(str(step_dir / f"part-{r}.pt")) for r in range(D * DP)]
+    names = set()
+    for r, part in enumerate(parts):
+        assert part["dp_rank"] == r // D
+        assert bool(part["buffers"]) == (r % D in (1, 3))  # the BatchNorm stages keep their replica's statistics
+        if r < D:
+            assert part["params"] and part["opt_state"] and not names & set(part["params"])
+            names |= set(part["params"])
+        else:  # replica 1 holds the same weights and optimizer state: not written again
+            assert part["params"] == part["opt_state"] == part["policy_state"] == {}
+    assert names == set(normed_pipeline(emulate=True).named_parameters())
+    for d in range(D):  # (the statistics being kept apart do differ)
+        if ranks[d]["checkpoint"]["saved"]["buffers"]:
+            a, b = (ranks[q * D + d]["checkpoint"]["saved"]["buffers"] for q in range(DP))
+            assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("running_mean"))
+
+
+def test_a_dp_run_resumes_exactly_each_replica_its_own_statistics(dp_run):
+    for r in dp_run[1]:
+        ck = r["checkpoint"]
+        for kind in ("params", "buffers"):
+            saved, resumed = ck["saved"][kind], ck["resumed"][kind]
+            assert set(saved) == set(resumed) and all(torch.equal(saved[k], resumed[k]) for k in saved), kind
+        assert ck["next_loss_resumed"] == ck["next_loss"]
+
+
+def test_a_dp_checkpoint_resumes_into_one_pipeline_and_one_pipelines_into_dp(dp_run, one_thread):
+    root, ranks, written = dp_run  # written: what root/dp1 holds
+    one = normed_pipeline(emulate=True)
+    one.load(str(root / "dp2"))
+    mine = own_state(one)
+    replica0 = {kind: {k: v for r in ranks[:D] for k, v in r["checkpoint"]["saved"][kind].items()}
+                for kind in ("params", "buffers")}
+    for kind in ("params", "buffers"):
+        assert set(mine[kind]) == set(replica0[kind]) and all(torch.equal(mine[kind][k], replica0[kind][k])
+                                                                for k in mine[kind]), kind
+    for q in range(DP):  # each replica, all its ranks together, holds the one pipeline's values
+        for kind in ("params", "buffers"):
+            got = {k: v for r in ranks[q * D:(q + 1) * D]
+                   for k, v in r["checkpoint"]["from_one_pipeline"][kind].items()}
+            assert set(got) == set(written[kind]) and all(torch.equal(v, written[kind][k]) for k, v in got.items())

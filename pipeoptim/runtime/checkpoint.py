@@ -5,7 +5,10 @@ Each process writes ``part-<rank>.pt`` with, for every parameter of its replica-
 bidirectional schedules holds identical values), the fp32 value (the master in mixed precision) and the
 optimizer's per-parameter state, plus its param-group hyperparameters, LR-scheduler state and the pipeline's
 step count; ``extra`` (e.g. the data generator's state) goes to ``meta.pt``. Loading reads every part and
-hands each chunk the entries of its own parameters, whatever stage layout wrote them.
+hands each chunk the entries of its own parameters, whatever stage layout wrote them. With data-parallel
+replicas (``Pipeline(dp=...)``), whose weights and optimizer state are the same after every step, only replica
+0's parts hold them: the others hold their own buffers and the step, so a checkpoint is one model's size
+whatever ``dp`` is, and it resumes into any ``dp``.
 
 The weight policy's state goes along, also keyed by global names (``policy_state``): stashes and predictions
 end with every window, but the last gradient (prediction rules that read it: SGD without momentum or with
@@ -19,9 +22,10 @@ root)`` reads the newest intact checkpoint under ``root`` (or exactly the step d
 Resuming into another stage balance, stage count or schedule works (parameters and their optimizer state
 are keyed by global names); into another optimizer it fails with the reason, unless ``weights_only=True``.
 
-Persistent buffers (BatchNorm's running statistics) travel too, by global name. Loading maps each part
-into memory (``torch.load(mmap=True)``) and copies only this process's own entries, so a rank of a large,
-meta-built pipeline reads its share of the checkpoint, never the whole model.
+Persistent buffers (BatchNorm's running statistics) travel too, by global name, each data-parallel replica's
+own (a replica the checkpoint lacks starts from replica 0's). Loading maps each part into memory
+(``torch.load(mmap=True)``) and copies only this process's own entries, so a rank of a large, meta-built
+pipeline reads its share of the checkpoint, never the whole model.
 
 A checkpoint holds tensors and plain containers only (``plain_problem`` refuses anything else at save), and
 every file is read with ``torch.load(weights_only=True)``: a file someone handed you cannot run code, it is
@@ -148,7 +152,7 @@ def save(pipe, root: str, extra: dict | None = None, keep: int | None = None) ->
 
 def _save(pipe, root, directory, extra, keep, rank, distributed) -> None:
     world = dist.get_world_size() if distributed else 1
-    state = dict(pipeline_state(pipe), rank=rank, world_size=world)  # each part says whose it is
+    state = _part_state(pipe, rank, world)
     problem = plain_problem(state, "the pipeline state")
     # rank 0 decides where the files go: the step directory, or beside it when that step is already committed
     target, error = None, None
@@ -203,6 +207,17 @@ def _save(pipe, root, directory, extra, keep, rank, distributed) -> None:
         raise CheckpointError(error)
 
 
+def _part_state(pipe, rank: int, world: int) -> dict:
+    """What ``part-<rank>.pt`` holds: this rank's pipeline state, saying whose it is. The data-parallel replicas
+    hold the same weights, optimizer and policy state after every step, so only replica 0's parts carry them;
+    every replica keeps its own buffers (BatchNorm's statistics are of the rows that replica saw)."""
+    dp_rank = getattr(pipe, "dp_rank", 0)
+    state = dict(pipeline_state(pipe), rank=rank, world_size=world, dp_rank=dp_rank)
+    if dp_rank > 0:
+        state.update(params={}, opt_state={}, policy_state={})
+    return state
+
+
 def _write_problem(root: str, directory: str, what: str, e: BaseException) -> str:
     """What went wrong writing ``what`` of checkpoint ``directory``; a full disk said as such, with the
     checkpoint to go back to."""
@@ -247,7 +262,7 @@ def _from_rank0(error: str | None) -> str | None:
 
 def _describe(pipe) -> dict:
     return {"step": pipe.step_count, "schedule": pipe.schedule.name, "devices": pipe.devices,
-            "world_size": dist.get_world_size() if _distributed(pipe) else 1,
+            "world_size": dist.get_world_size() if _distributed(pipe) else 1, "dp": getattr(pipe, "dp", 1),
             "optimizers": _optimizer_names(pipe), "policy": pipe.policy_name}
 
 
@@ -401,15 +416,18 @@ def load(pipe, directory: str, weights_only: bool = False) -> dict:
     loaded = [read(path) for path in parts]
     meta = read(meta_path) if meta_path else None
     steps = _check_parts(directory, parts, loaded, manifest, meta)
-    params, opt_state, groups, sched, pol_state, buffers, optimizers = {}, {}, None, None, {}, {}, set()
+    params, opt_state, groups, sched, pol_state, optimizers = {}, {}, None, None, {}, set()
+    replica_buffers = {}  # data-parallel replica -> its buffers (parts written before replicas were told: 0)
     for part in loaded:
         params.update(part["params"])
-        buffers.update(part.get("buffers", {}))
+        replica_buffers.setdefault(part.get("dp_rank", 0), {}).update(part.get("buffers", {}))
         opt_state.update(part["opt_state"])
         pol_state.update(part.get("policy_state", {}))
         optimizers.update(part.get("optimizers", ()))
         groups = groups or part["groups"]
         sched = sched or part["scheduler"]
+    # each replica resumes its own statistics where the checkpoint has that replica, else replica 0's
+    buffers = {**replica_buffers.get(0, {}), **replica_buffers.get(getattr(pipe, "dp_rank", 0), {})}
     mine = set(_optimizer_names(pipe))
     if optimizers and optimizers != mine and not weights_only:
         raise CheckpointError(f"checkpoint {directory} was written with optimizer {', '.join(sorted(optimizers))} "
