@@ -129,7 +129,7 @@ def _start_watchdog(host: str, port: int, rank: int, world: int, watchdog_s: flo
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); {host_of}, or "
                             "MASTER_ADDR/MASTER_PORT do not name it") from None
     agent_pid, node = torchrun_agent() or (None, None)
-    _WATCH = Watchdog(watch_store, rank, world, timeout_s=watchdog_s,
+    _WATCH = Watchdog(rendezvous.attempt_keys(watch_store), rank, world, timeout_s=watchdog_s,
                       quiet=os.environ.get("PIPEOPTIM_LAUNCHED") == "1", before_exit=_abort_communicators,
                       agent_pid=agent_pid, node=node)
     _WATCH.doing(RENDEZVOUS, COLLECTIVE)
@@ -171,7 +171,7 @@ def init_from_env(device: str = "cpu", timeout_s: float | None = None) -> DistCo
         try:
             store = hosted if hosted is not None else dist.TCPStore(
                 host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+            dist.init_process_group(backend, store=rendezvous.attempt_keys(store), rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout_s))
         finally:
             watch.idle()

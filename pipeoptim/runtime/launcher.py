@@ -185,7 +185,7 @@ def _child(rank: int, nprocs: int, port: int, workdir: str, threads: int, parent
         os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
-                      TORCHELASTIC_RESTART_COUNT="0", PIPEOPTIM_LAUNCHED="1")
+                      TORCHELASTIC_RESTART_COUNT=rendezvous.LAUNCH_ATTEMPT, PIPEOPTIM_LAUNCHED="1")
     if watchdog_s is not None:
         os.environ["PIPEOPTIM_WATCHDOG_S"] = str(watchdog_s)
     _die_with(parent, via_server)
@@ -222,6 +222,7 @@ class _Job:
         self.nprocs, self.workdir = nprocs, workdir
         method = start_method()
         self.store = host_store(port, nprocs)
+        self.keys = rendezvous.attempt_keys(self.store, rendezvous.LAUNCH_ATTEMPT)  # what the workers' watchdogs see
         ctx = mp.get_context(method)
         env = None
         if method == "forkserver":
@@ -240,7 +241,7 @@ class _Job:
 
     def publish(self, message: str) -> None:
         try:
-            faults.publish(self.store, message)
+            faults.publish(self.keys, message)
         except Exception:
             pass
 
@@ -269,7 +270,7 @@ class _Job:
 
     def _published(self) -> str | None:
         try:
-            return faults.published(self.store)
+            return faults.published(self.keys)
         except Exception:
             return None
 

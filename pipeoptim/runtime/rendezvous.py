@@ -1,10 +1,15 @@
-"""The rendezvous store's server, listening on one address only.
+"""The rendezvous store's server, listening on one address only; and each attempt's keys kept apart.
 
 torch's ``TCPStore(host, port, is_master=True)`` ignores ``host`` when it serves: it listens on every
 interface (``*:<port>``, IPv4 and IPv6), and the store has no authentication, so anyone who can reach the port
 can read every rank's heartbeat and end the job through its abort key. A job on one machine needs no more
 than loopback, so ``serve`` binds the listening socket itself and hands it to the store
 (``master_listen_fd``): the store then listens where that socket does and nowhere else.
+
+torchrun's agent keeps one store for every attempt of a job: ``--max-restarts`` starts the workers again
+against the store of the attempt that failed. Its keys (gloo's addresses of the dead ranks, their heartbeats,
+the reason the attempt ended) would send the next attempt's ranks to ports nobody listens on, or end it at
+once, so every rank reads and writes the job's keys through ``attempt_keys``: under a prefix of its attempt.
 """
 from __future__ import annotations
 
@@ -18,7 +23,17 @@ import torch.distributed as dist
 
 from .plan import ConfigError
 
-__all__ = ["serve", "is_loopback"]
+__all__ = ["serve", "is_loopback", "attempt_keys", "LAUNCH_ATTEMPT"]
+
+LAUNCH_ATTEMPT = "0"  # runtime.launch starts each job once, on a store of its own
+
+
+def attempt_keys(store, attempt: str | None = None):
+    """``store`` seen through the keys of one attempt of the job: ``attempt``, by default this process's
+    (torchrun's TORCHELASTIC_RESTART_COUNT; 0 where nothing restarts it)."""
+    if attempt is None:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", LAUNCH_ATTEMPT)
+    return dist.PrefixStore(f"pipeoptim/attempt_{attempt}", store)
 
 
 def is_loopback(host: str) -> bool:

@@ -183,7 +183,8 @@ class Watchdog:
 
     def _lost_store(self, e: Exception) -> str:
         """Why the job ends when the store stopped answering: whoever hosts it has ended."""
-        where = f" at {self.store.host}:{self.store.port}" if hasattr(self.store, "host") else ""
+        served = getattr(self.store, "underlying_store", self.store)  # (under the attempt's prefix)
+        where = f" at {served.host}:{served.port}" if hasattr(served, "host") else ""
         host = ("the torchrun agent of node 0 (the job's first node: it hosts the store) has ended: killed, or its "
                 "machine is gone" if self.agent_pid is not None else
                 "the launcher or the process hosting the store has ended")
