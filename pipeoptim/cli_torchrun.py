@@ -87,8 +87,7 @@ def _claim(args, cfg: dict, ckpt_root: str) -> str:
     from .runtime.checkpoint_files import CheckpointError
     from .runtime.plan import ConfigError
     try:
-        ct._claim_run_dir(args, ckpt_root)
-        if not args.resume:
+        if not ct._claim_run_dir(args, ckpt_root):
             return _OK
         try:
             directory, at, extra = ct._resume_point(ckpt_root, cfg)

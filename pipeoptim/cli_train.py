@@ -14,7 +14,9 @@ train a Hugging Face GPT-2 / Llama built from a config (random init, nothing dow
 rank materialising only its own stages (``pip install 'pipeoptim[hf]'``).
 
 A run of days: a checkpoint every ``--save-every`` windows (the newest ``--keep-checkpoints`` kept, each
-committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which; a NaN
+committed by a manifest with hashes); ``--resume`` continues from the newest intact one and says which
+(``--resume auto``: where one was committed, else it starts afresh: one command for a run's first start and
+every restart, e.g. ``torchrun --max-restarts``'s); a NaN
 or inf loss or gradient stops the run with a checkpoint of the last finite state (``--on-nonfinite skip``
 drops such updates instead); a rank that dies or freezes ends the job with a message naming it
 (``--watchdog-s``); SIGTERM (a scheduler's warning before it kills the job) stops every rank after the step it
@@ -153,8 +155,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="gradient clipping norm (0: off); with --resume a new value applies")
     p.add_argument("--run-dir", default="runs/train", help="checkpoint/, loss.png and history.json go here")
     start = p.add_mutually_exclusive_group()
-    start.add_argument("--resume", action="store_true",
-                       help="continue from the newest intact checkpoint in --run-dir/checkpoint")
+    start.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
+                       help="continue from the newest intact checkpoint in --run-dir/checkpoint. --resume auto: "
+                            "the same where a checkpoint was committed, else start afresh; one command for a "
+                            "run's first start and every restart (torchrun --max-restarts, a scheduler's requeue)")
     start.add_argument("--overwrite", action="store_true",
                        help="start afresh in a --run-dir that holds an earlier run: its checkpoints, history.json "
                             "and loss.png are deleted first")
@@ -824,12 +828,21 @@ def _newest_checkpoint(root: str, failure: str = "") -> str:
     return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
 
 
-def _claim_run_dir(args, ckpt_root: str) -> None:
+def _claim_run_dir(args, ckpt_root: str) -> bool:
     """A run directory holding an earlier run's checkpoints is continued (--resume) or deleted first
-    (--overwrite), never silently overwritten; ConfigError says which flag to use."""
+    (--overwrite), never silently overwritten; ConfigError says which flag to use. Returns whether this run
+    resumes: --resume auto does where a checkpoint was committed, and starts afresh where none was (a first
+    start, or a restart of a run that failed before its first commit: nothing of it can be lost)."""
     from .runtime import checkpoint_files as files
     from .runtime.plan import ConfigError
     earlier = sorted(os.listdir(ckpt_root)) if os.path.isdir(ckpt_root) else []
+    if args.resume == "auto":
+        if _committed(ckpt_root):
+            return True
+        if earlier:
+            print(f"pipeoptim train: --resume auto: {ckpt_root} holds no committed checkpoint (only what a run "
+                  f"stopped while writing left: {', '.join(earlier)}); starting afresh", file=sys.stderr)
+        return False
     if args.resume:
         if not files.list_steps(ckpt_root) and not os.path.exists(os.path.join(ckpt_root, "meta.pt")):
             raise ConfigError(f"--resume: no checkpoint in {ckpt_root}: a run writes one every --save-every "
@@ -849,6 +862,15 @@ def _claim_run_dir(args, ckpt_root: str) -> None:
         if earlier:
             print(f"pipeoptim train: --overwrite: deleted the earlier run's checkpoints, history.json and loss.png "
                   f"in {args.run_dir}", file=sys.stderr)
+    return bool(args.resume)
+
+
+def _committed(ckpt_root: str) -> bool:
+    """Whether ``ckpt_root`` holds a committed checkpoint, intact or not (or an older pipeoptim's, which has no
+    manifest to commit it)."""
+    from .runtime import checkpoint_files as files
+    return (any(files.is_checkpoint(d) for _, d in files.list_steps(ckpt_root))
+            or os.path.exists(os.path.join(ckpt_root, "meta.pt")))
 
 
 def _idle_words(cfg: dict, percent: float) -> str:
@@ -869,9 +891,8 @@ def run(args) -> int:
     try:
         cfg = _config(args)  # every check before torch is imported: a wrong flag is answered at once
         with _run_dir_lock(args.run_dir):
-            _claim_run_dir(args, ckpt_root)
             cfg["resume_from"] = None
-            if args.resume:
+            if _claim_run_dir(args, ckpt_root):
                 try:
                     cfg["resume_from"], at, extra = _resume_point(ckpt_root, cfg)
                 except (FileNotFoundError, CheckpointError) as e:

@@ -159,6 +159,28 @@ def test_a_run_dir_holding_a_checkpoint_needs_resume_or_overwrite(tmp_path, caps
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-00000001"]
 
 
+def test_resume_auto_starts_afresh_without_a_committed_checkpoint_and_resumes_with_one(tmp_path, capsys, one_thread):
+    common = [*TINY, "--schedule", "1f1b", "--run-dir", str(tmp_path / "run"), "--resume", "auto"]
+    assert main([*common, "--steps", "2"]) == 0  # the first start: nothing to resume
+    assert "resuming" not in capsys.readouterr().err
+    assert main([*common, "--steps", "3"]) == 0
+    assert f"resuming from {tmp_path}/run/checkpoint/step-00000002 (step 2 of 3)" in capsys.readouterr().err
+    assert [r["step"] for r in _strict(tmp_path / "run" / "history.json")["history"]] == [1, 2, 3]
+    # a run stopped while writing its first checkpoint left an uncommitted step: nothing to lose, start afresh
+    debris = tmp_path / "debris"
+    (debris / "checkpoint" / "step-00000004").mkdir(parents=True)
+    (debris / "checkpoint" / "step-00000004" / "part-0.pt").write_bytes(b"half")
+    assert main([*TINY, "--schedule", "1f1b", "--run-dir", str(debris), "--resume", "auto", "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "--resume auto:" in err and "holds no committed checkpoint" in err and "starting afresh" in err, err
+    assert [r["step"] for r in _strict(debris / "history.json")["history"]] == [1]
+    # a committed checkpoint that is damaged is not nothing: refused, as plain --resume refuses it
+    (tmp_path / "run" / "checkpoint" / "step-00000003" / "meta.pt").write_bytes(b"not a checkpoint")
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-00000002")
+    assert main([*common, "--steps", "4"]) == 2
+    assert "no intact checkpoint" in capsys.readouterr().err
+
+
 def test_resume_applies_a_new_lr_and_clip_and_refuses_a_new_seed(tmp_path, capsys, one_thread):
     # issue 21.4: --resume --lr X kept the checkpoint's lr in silence (so the NaN stop's advice to lower it could
     # not work). Here the new lr is absurd: applied, it drives the loss to NaN, where the old one trained on.

@@ -158,6 +158,35 @@ def test_sigterm_to_torchruns_agent_stops_every_rank_after_one_step_with_a_check
     assert code == 0 and f"resuming from {run}/checkpoint/step-{at:08d}" in text, text
 
 
+def test_torchrun_restarts_a_killed_rank_and_resume_auto_continues_as_if_nothing_happened(tmp_path):
+    """One command for a run's first start and its restarts: under ``torchrun --max-restarts 1``, ``--resume
+    auto`` starts afresh, a rank SIGKILLed after a checkpoint ends that attempt, torchrun starts the job again
+    with the same command, and it resumes from the newest checkpoint: the losses of every step are those of a
+    run that was never interrupted."""
+    import sys
+    steps = 40
+    flags = [*SMALL, "--steps", str(steps), "--save-every", "2", "--keep-checkpoints", "40", "--no-progress",
+             "--eval-every", "0"]
+    (tmp_path / "once").mkdir()
+    (tmp_path / "restarted").mkdir()
+    once = fh.Job(fh.train_cmd(*flags, "--run-dir", str(tmp_path / "once" / "run")), str(tmp_path / "once"))
+    assert once.wait(240) == 0, once.text()
+    run = tmp_path / "restarted" / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "-m", "pipeoptim.cli", "train", *flags, "--run-dir", str(run), "--resume", "auto"]
+    job = fh.Job(cmd, str(tmp_path / "restarted"))
+    fh.wait_for(_saved(run, 2), job)
+    os.kill(fh.rank_pid(job, 1), signal.SIGKILL)
+    code = job.wait(240)
+    job.ended_cleanly()
+    text = job.text()
+    assert code == 0, text
+    m = re.search(r"resuming from (\S+)/step-(\d+) \(step (\d+) of 40\)", text)
+    assert m and 2 <= int(m.group(3)) < steps, text  # the second attempt resumed; the first had started afresh
+    history = lambda d: [h["loss"] for h in json.load(open(d / "history.json"))["history"]]  # noqa: E731
+    assert len(history(run)) == steps and history(run) == history(tmp_path / "once" / "run"), text
+
+
 def test_sigterm_to_an_emulated_run_stops_it_with_a_checkpoint(tmp_path):
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "3", "--no-progress", "--emulate")
     fh.wait_for(_saved(run, 3), job)
