@@ -85,26 +85,31 @@ def _buffers(st) -> dict[str, torch.Tensor]:
     return {global_name(n): t for n, t in st.module.state_dict(keep_vars=True).items() if n not in params}
 
 
-def pipeline_state(pipe) -> dict:
+def pipeline_state(pipe, weights: bool = True) -> dict:
+    """This process's share of the pipeline's state, by global name. ``weights=False`` leaves out the
+    parameters, the optimizer's and the policy's per-parameter state (what another data-parallel replica holds
+    too), and copies none of them."""
     params, opt_state, groups, sched, pol_state, buffers = {}, {}, None, None, {}, {}
     for w in pipe.workers:
         for c, st in w.stages.items():
             if c.replica != 0:
                 continue
-            for name, t in _masters(st).items():
-                params[name] = t.detach().float().cpu().clone()
             for name, t in _buffers(st).items():
                 buffers[name] = t.detach().cpu().clone()
             sd = st.optimizer.state_dict()
+            if groups is None:
+                groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+            if sched is None and st.scheduler is not None:
+                sched = st.scheduler.state_dict()
+            if not weights:
+                continue
+            for name, t in _masters(st).items():
+                params[name] = t.detach().float().cpu().clone()
             order = _param_order(st)
             for i, name in enumerate(order):
                 if i in sd["state"]:
                     opt_state[name] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
                                        for k, v in sd["state"][i].items()}
-            if groups is None:
-                groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-            if sched is None and st.scheduler is not None:
-                sched = st.scheduler.state_dict()
             for local, entry in st.policy.state_dict()["params"].items():
                 pol_state[st.names[local]] = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in entry.items()}
     return {"params": params, "opt_state": opt_state, "groups": groups, "scheduler": sched,
@@ -212,10 +217,7 @@ def _part_state(pipe, rank: int, world: int) -> dict:
     hold the same weights, optimizer and policy state after every step, so only replica 0's parts carry them;
     every replica keeps its own buffers (BatchNorm's statistics are of the rows that replica saw)."""
     dp_rank = getattr(pipe, "dp_rank", 0)
-    state = dict(pipeline_state(pipe), rank=rank, world_size=world, dp_rank=dp_rank)
-    if dp_rank > 0:
-        state.update(params={}, opt_state={}, policy_state={})
-    return state
+    return dict(pipeline_state(pipe, weights=dp_rank == 0), rank=rank, world_size=world, dp_rank=dp_rank)
 
 
 def _write_problem(root: str, directory: str, what: str, e: BaseException) -> str:
