@@ -837,7 +837,7 @@ def _claim_run_dir(args, ckpt_root: str) -> bool:
     from .runtime.plan import ConfigError
     earlier = sorted(os.listdir(ckpt_root)) if os.path.isdir(ckpt_root) else []
     if args.resume == "auto":
-        if _committed(ckpt_root):
+        if files.has_committed(ckpt_root):
             return True
         if earlier:
             print(f"pipeoptim train: --resume auto: {ckpt_root} holds no committed checkpoint (only what a run "
@@ -863,14 +863,6 @@ def _claim_run_dir(args, ckpt_root: str) -> bool:
             print(f"pipeoptim train: --overwrite: deleted the earlier run's checkpoints, history.json and loss.png "
                   f"in {args.run_dir}", file=sys.stderr)
     return bool(args.resume)
-
-
-def _committed(ckpt_root: str) -> bool:
-    """Whether ``ckpt_root`` holds a committed checkpoint, intact or not (or an older pipeoptim's, which has no
-    manifest to commit it)."""
-    from .runtime import checkpoint_files as files
-    return (any(files.is_checkpoint(d) for _, d in files.list_steps(ckpt_root))
-            or os.path.exists(os.path.join(ckpt_root, "meta.pt")))
 
 
 def _idle_words(cfg: dict, percent: float) -> str:

@@ -451,13 +451,15 @@ class Pipeline:
         self.drain()
         return save(self, directory, extra, keep)
 
-    def load(self, directory: str, weights_only: bool = False) -> dict:
+    def load(self, directory: str, weights_only: bool = False, missing_ok: bool = False) -> dict | None:
         """Load the newest intact checkpoint under ``directory`` (or the ``step-*`` directory given), saved
         with any stage balance; returns the ``extra`` it was saved with; ``self.loaded_from`` says which.
-        ``weights_only``: parameters only (e.g. to continue with another optimizer)."""
+        ``weights_only``: parameters only (e.g. to continue with another optimizer). ``missing_ok``: where no
+        checkpoint was ever committed, load nothing and return None (a script that torchrun --max-restarts
+        starts again resumes with the same line that its first start passes over)."""
         from .runtime.checkpoint import load
         self.drain()  # (what is in flight belongs to the run being replaced; finished, then overwritten)
         if self._watch is None:
-            return load(self, directory, weights_only)
+            return load(self, directory, weights_only, missing_ok)
         with self._watch.during(f"loading checkpoint {directory}"):  # a rank frozen here is named in time
-            return load(self, directory, weights_only)
+            return load(self, directory, weights_only, missing_ok)

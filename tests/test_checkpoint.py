@@ -78,6 +78,24 @@ def test_resume_into_another_schedule_and_stage_count(tmp_path):
     b.train_step(rc.batch(2))  # and it trains on
 
 
+def test_missing_ok_loads_nothing_where_nothing_was_committed_and_loads_a_checkpoint_where_one_was(tmp_path):
+    a = _gpt()
+    a.train_step(rc.batch(0))
+    before = {k: v.clone() for k, v in a.named_parameters().items()}
+    with pytest.raises(FileNotFoundError):
+        a.load(str(tmp_path))
+    assert a.load(str(tmp_path), missing_ok=True) is None and a.loaded_from is None  # a first start
+    (tmp_path / "step-00000005").mkdir()  # what a run stopped while writing its first checkpoint left
+    assert a.load(str(tmp_path), missing_ok=True) is None and a.step_count == 1
+    assert all(torch.equal(v, before[k]) for k, v in a.named_parameters().items())
+    a.save(str(tmp_path), extra={"epoch": 3})
+    b = _gpt()
+    with pytest.warns(CheckpointWarning, match="step-00000005 is incomplete"):  # (newer, never committed)
+        assert b.load(str(tmp_path), missing_ok=True) == {"epoch": 3} and b.step_count == 1
+    assert b.loaded_from == str(tmp_path / "step-00000001")
+    assert all(torch.equal(b.named_parameters()[k], v) for k, v in before.items())
+
+
 def test_resume_into_another_optimizer_fails_with_the_reason_unless_weights_only(tmp_path):
     a = _gpt()
     a.train_step(rc.batch(0))

@@ -143,3 +143,18 @@ def test_uncommit_before_rewriting_the_same_step(tmp_path):
     files.uncommit(d)
     assert not files.is_checkpoint(d)  # the manifest is gone, the parts stay until overwritten
     assert sorted(os.listdir(d)) == ["meta.pt", "part-0.pt", "part-1.pt"]
+
+
+def test_has_committed_tells_a_checkpoint_from_what_a_stopped_run_left(tmp_path):
+    root = tmp_path / "ckpt"
+    assert not files.has_committed(str(root))  # nothing at all
+    _write(root, 4, _payloads(0), commit=False)  # a run stopped while writing its first checkpoint
+    assert not files.has_committed(str(root)) and files.list_steps(str(root))
+    _write(root, 2, _payloads(1))
+    assert files.has_committed(str(root)) and files.has_committed(files.step_dir(str(root), 2))
+    (root / "step-00000002" / "part-0.pt").write_bytes(b"damaged")  # committed, then damaged: still committed
+    assert files.has_committed(str(root))
+    legacy = tmp_path / "legacy"  # an older pipeoptim's parts, without a manifest
+    legacy.mkdir()
+    (legacy / "part-0.pt").write_bytes(b"x")
+    assert files.has_committed(str(legacy))

@@ -409,11 +409,15 @@ def _same(directory, kind, name, saved, shape, dtype) -> None:
                               "was loaded")
 
 
-def load(pipe, directory: str, weights_only: bool = False) -> dict:
+def load(pipe, directory: str, weights_only: bool = False, missing_ok: bool = False) -> dict | None:
     """Load a checkpoint written by ``save`` (any balance, any number of parts); returns its ``extra``.
     ``directory``: a root (the newest intact checkpoint under it) or one ``step-*`` directory.
     ``weights_only``: only the parameters (a new optimizer, scheduler and policy start fresh).
+    ``missing_ok``: where no checkpoint was ever committed (none yet, or only a step some run stopped while
+    writing), load nothing and return None: one script for a run's first start and its restarts.
     Everything is checked (files, steps, names, shapes, dtypes) before anything is written into the model."""
+    if missing_ok and not files.has_committed(directory):
+        return None
     directory, parts, meta_path, manifest = _parts(pipe, directory)
     loaded = [read(path) for path in parts]
     meta = read(meta_path) if meta_path else None

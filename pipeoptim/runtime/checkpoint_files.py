@@ -38,7 +38,7 @@ import warnings
 
 __all__ = ["CheckpointError", "CheckpointWarning", "MANIFEST", "step_dir", "staging_dir", "swap_in", "write_file",
            "commit", "uncommit", "check_sizes", "check_hash", "verify", "is_checkpoint", "list_steps", "newest",
-           "newest_and_skipped", "set_aside", "prune", "no_space", "free_bytes", "sizes_ok"]
+           "newest_and_skipped", "set_aside", "prune", "no_space", "free_bytes", "sizes_ok", "has_committed"]
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeoptim-checkpoint/1"
@@ -248,6 +248,14 @@ def verify(directory: str, share=None) -> dict:
 def is_checkpoint(directory: str) -> bool:
     """Whether ``directory`` is one committed checkpoint (has a manifest; not checked further)."""
     return os.path.exists(os.path.join(directory, MANIFEST))
+
+
+def has_committed(path: str) -> bool:
+    """Whether ``path`` (a checkpoint root or one step directory) holds a committed checkpoint, intact or not,
+    or an older pipeoptim's, which had no manifest to commit it. Without one, nothing there can be lost by
+    starting afresh: what is left is a step some run stopped while writing."""
+    return (is_checkpoint(path) or any(is_checkpoint(d) for _, d in list_steps(path))
+            or os.path.exists(os.path.join(path, "meta.pt")) or bool(glob.glob(os.path.join(path, "part-*.pt"))))
 
 
 def list_steps(root: str) -> list[tuple[int, str]]:
