@@ -8,7 +8,7 @@ happens when things go wrong" quotes it.
 
     python benchmarks/fault_bounds.py                  # every scenario once
     python benchmarks/fault_bounds.py --repeat 3       # the worst of three per scenario
-    python benchmarks/fault_bounds.py --only kill-rank2,torchrun-kill
+    python benchmarks/fault_bounds.py --only kill-rank2,torchrun-kill   # replaces these rows of the CSV only
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -122,6 +123,32 @@ def nan_loss(tmp):
     return code, ended - os.path.getmtime(manifest), _first_line(job.text(), "stopped at")
 
 
+def torchrun_restart(tmp):
+    """The time counted: from the SIGKILL to the restarted attempt's first new checkpoint (training again);
+    then the job is stopped with SIGTERM (its exit status is that stop's)."""
+    run = os.path.join(tmp, "run")
+    job = fh.Job([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                  "--max-restarts", "1", "-m", "pipeoptim.cli", "train", *TRAIN, "--stages", "2", "--run-dir", run,
+                  "--resume", "auto"], tmp)
+    fh.wait_for(os.path.join(run, "checkpoint", "step-00000002", "manifest.json"), job, timeout=600)
+    job.members()
+    t0 = time.monotonic()
+    os.kill(fh.rank_pid(job, 1), signal.SIGKILL)
+
+    def training_again():
+        m = re.search(r"resuming from \S+ \(step (\d+) of", job.text())
+        root = os.path.join(run, "checkpoint")
+        return bool(m) and any(int(d[5:]) > int(m.group(1)) and os.path.exists(os.path.join(root, d, "manifest.json"))
+                               for d in os.listdir(root) if re.fullmatch(r"step-\d+", d))
+    training_again.description = "the restarted attempt's first new checkpoint"
+    fh.wait_for(training_again, job, timeout=300)
+    took = time.monotonic() - t0
+    os.kill(job.proc.pid, signal.SIGTERM)
+    code = job.wait(120)
+    job.ended_cleanly(30)
+    return code, took, _first_line(job.text(), "resuming from")
+
+
 def port_taken(tmp):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -146,6 +173,8 @@ SCENARIOS = {
     "torchrun-kill": ("torchrun --nproc-per-node 4, SIGKILL to rank 1", torchrun_kill, 30),
     "torchrun-stop": (f"torchrun, PIPEOPTIM_WATCHDOG_S={WATCHDOG_S}, SIGSTOP to rank 1", torchrun_stop,
                       WATCHDOG_S + 60),
+    "torchrun-restart": ("torchrun --max-restarts 1 ... pipeoptim train --resume auto, SIGKILL to rank 1 of 2; "
+                         "seconds to the restarted run's first new checkpoint", torchrun_restart, 60),
     "nan": ("pipeoptim train --optimizer sgd --lr 1e30 --clip 0 (the loss turns NaN)", nan_loss, 30),
     "port": ("pipeoptim train --port <a port in use>", port_taken, 30),
 }
@@ -174,10 +203,15 @@ def main(argv=None) -> int:
                      "bound_s": bound, "runs": len(times), "user_sees": seen})
         print(f"{name:14s} exit {code!s:>4}  {worst:6.1f} s (bound {bound} s)  {seen}", flush=True)
     os.makedirs(os.path.dirname(args.csv), exist_ok=True)
+    kept = []  # the rows of scenarios not run this time stay (--only reruns some)
+    if os.path.exists(args.csv):
+        with open(args.csv, newline="") as f:
+            kept = [r for r in csv.DictReader(f) if r["scenario"] not in names and r["scenario"] in SCENARIOS]
+    order = list(SCENARIOS)
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(sorted(kept + rows, key=lambda r: order.index(r["scenario"])))
     print(f"wrote {args.csv}")
     return 0 if all(float(r["seconds_to_clean_end"]) < r["bound_s"] for r in rows) else 1
 
