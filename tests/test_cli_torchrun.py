@@ -1,6 +1,7 @@
-"""``pipeoptim train`` under torchrun, the parts that need no job: how a process knows torchrun started it,
-the flags refused there (before torch loads), and that a parent which is not a torchrun agent is never
-watched as one. The jobs themselves run in tests/test_multinode.py."""
+"""``pipeoptim train`` under torchrun: how a process knows torchrun started it, the flags refused there (before
+torch loads), that a parent which is not a torchrun agent is never watched as one, and one data-parallel job
+(``--stages 2 --dp 2``) against one pipeline on the doubled batch. The multi-node jobs run in
+tests/test_multinode.py, the faults in tests/test_cli_train_faults.py."""
 from __future__ import annotations
 
 import pytest
@@ -104,3 +105,31 @@ def test_rank_zero_claims_the_run_directory_and_every_rank_acts_on_it(tmp_path):
     assert "resuming from" in out and "(step 2 of 3)" in out, out
     assert "nothing to do: step 3 of 3 already reached" in out, out
     assert out.count("final loss: ") == 3, out
+
+
+def test_dp_under_torchrun_trains_as_one_pipeline_on_the_doubled_batch(tmp_path, capsys, one_thread):
+    """``torchrun --nproc-per-node 4 ... train --stages 2 --dp 2``: every rank's place comes from torchrun's
+    environment (replica = rank // stages), and the losses are one pipeline's on both replicas' rows; the
+    checkpoint holds the weights once (replica 1's parts hold none)."""
+    import json
+    import subprocess
+    import sys
+
+    import fault_harness as fh
+    from pipeoptim.runtime.checkpoint import read
+    common = ["--model", "tiny", "--stages", "2", "--microbatches", "4", "--schedule", "1f1b", "--steps", "3",
+              "--eval-every", "0", "--no-progress"]
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          "-m", "pipeoptim.cli", "train", *common, "--dp", "2", "--microbatch-size", "1",
+                          "--run-dir", str(tmp_path / "dp")], env=fh.env(), capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert main([*common, "--emulate", "--microbatch-size", "2", "--run-dir", str(tmp_path / "one")]) == 0
+
+    def losses(run):
+        rows = json.load(open(tmp_path / run / "history.json"))["history"]
+        return [r["loss"] for r in rows] + [rows[-1]["val_loss"]]
+    assert losses("dp") == pytest.approx(losses("one"), rel=1e-5) and len(losses("dp")) == 4
+    parts = [read(str(tmp_path / "dp" / "checkpoint" / "step-00000003" / f"part-{r}.pt")) for r in range(4)]
+    assert [p["dp_rank"] for p in parts] == [0, 0, 1, 1]
+    assert all(p["params"] for p in parts[:2]) and not any(p["params"] for p in parts[2:])
