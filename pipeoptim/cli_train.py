@@ -178,6 +178,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=None,
                    help="rendezvous port (default: a free one, so several runs can share a machine)")
     p.add_argument("--emulate", action="store_true", help="run every stage in this process")
+    p.add_argument("--link", type=_link_spec, default=None, metavar="SPEC",
+                   help="benchmarks: emulate a network between the stage processes, every message delivered "
+                        "after latency + bytes/bandwidth: a profile (nvlink, infiniband, ethernet-10g, internet) or "
+                        "latency=30ms,bandwidth=100Mbit. Labelled as emulation in the outputs")
+    p.add_argument("--straggler", type=_straggler_spec, default=None, metavar="STAGE:FACTOR",
+                   help="benchmarks: emulate a slow device, e.g. 1:1.5 (pipeline device 1's compute takes 1.5x as "
+                        "long: it sleeps 0.5x each op's time). Labelled as emulation in the outputs")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the data order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(_flag_defaults={dest: p.get_default(dest) for dest in RECIPE_FLAGS})
@@ -239,6 +246,36 @@ def _checkpoint_stages(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: give 'all', stage indices '0,1', or layers within a stage "
                                          "'1:0-2' (stage 1, its layers 0 to 2)") from None
     return out
+
+
+def _link_spec(text: str) -> str:
+    from .links import LinkSpecError, parse_link
+    try:
+        parse_link(text)
+    except LinkSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _straggler_spec(text: str) -> str:
+    from .links import LinkSpecError, parse_straggler
+    try:
+        parse_straggler(text)
+    except LinkSpecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def emulation_words(cfg: dict) -> str:
+    """What a run emulates (``--link``, ``--straggler``), for every output that shows its numbers; '' if nothing."""
+    from .links import parse_link, parse_straggler
+    parts = []
+    if cfg.get("link"):
+        parts.append(f"link {parse_link(cfg['link']).describe()}")
+    if cfg.get("straggler"):
+        device, factor = parse_straggler(cfg["straggler"])
+        parts.append(f"straggler device {device} x{factor:g}")
+    return ("emulated: " + "; ".join(parts)) if parts else ""
 
 
 def _positive_int(text: str) -> int:
@@ -308,6 +345,17 @@ def _config(args) -> dict:
         raise ConfigError(f"schedule {args.schedule!r} on {args.stages} devices needs "
                           f"{stages_for(args.schedule, args.stages)} stages but model {args.model!r} has {L + 2} "
                           "layers; use a bigger --model or fewer --stages")
+    if (args.link or args.straggler) and args.emulate:
+        from .runtime.plan import ConfigError
+        raise ConfigError("--link and --straggler emulate a network and a slow device between the stage processes; "
+                          "--emulate runs every stage in one process. Drop --emulate")
+    if args.straggler:
+        from .links import LinkSpecError, parse_straggler
+        from .runtime.plan import ConfigError
+        try:
+            parse_straggler(args.straggler, args.stages)
+        except LinkSpecError as e:
+            raise ConfigError(str(e)) from None
     if args.dp > 1 and args.emulate:
         from .runtime.plan import ConfigError
         raise ConfigError(f"--dp {args.dp} runs {args.stages} x {args.dp} processes; --emulate runs one pipeline in "
@@ -352,6 +400,7 @@ def _config(args) -> dict:
                cores=_cores(), lr_given=args.lr is not None,
                lr=args.lr if args.lr is not None else default_lr(args.schedule, args.optimizer))
     _check_prediction(cfg)
+    cfg["emulation"] = emulation_words(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
     return cfg
@@ -494,6 +543,7 @@ def train_worker(cfg: dict) -> dict:
     """Runs on every rank (or once, emulated); returns the loss history."""
     import torch
 
+    from .links import parse_link, parse_straggler
     from .models import GPTConfig, gpt_layers
     from .models.gpt import lm_loss
     from .runtime.data_parallel import replica_rows
@@ -519,7 +569,9 @@ def train_worker(cfg: dict) -> dict:
                     emulate=cfg["emulate"], device=cfg["device"], seed=cfg["seed"], on_nonfinite=cfg["on_nonfinite"],
                     watchdog_s=cfg["watchdog_s"], delay_hparams=_delay_hparams(cfg),
                     policy_options=_policy_options(cfg), checkpoint_stages=cfg.get("checkpoint_stages") or (),
-                    stream=cfg.get("stream", False), schedule_options=_schedule_params(cfg) or None, **model_kw)
+                    stream=cfg.get("stream", False), schedule_options=_schedule_params(cfg) or None,
+                    link=parse_link(cfg["link"]) if cfg.get("link") else None,
+                    straggler=parse_straggler(cfg["straggler"]) if cfg.get("straggler") else None, **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
     corpus = _corpus(cfg)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -589,7 +641,9 @@ def train_worker(cfg: dict) -> dict:
                     bar.write(f"step {step + 1}: NaN or inf (loss {loss:.4g}); {st.get('nonfinite', 0)} update(s) "
                               "skipped (--on-nonfinite skip)")
                 bar.set_postfix({"loss": f"{loss:.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}",
-                                 idle: f"{st['bubble'] * 100:.0f}%"})
+                                 idle: f"{st['bubble'] * 100:.0f}%",
+                                 **({"emulated": cfg["emulation"].removeprefix("emulated: ")}
+                                    if cfg.get("emulation") else {})})
                 bar.update(1)
             if cfg["save_every"] and (step + 1) % cfg["save_every"] == 0 and step + 1 < total_steps:
                 save()
@@ -938,7 +992,8 @@ def report(result: dict, cfg: dict, args, t0: float) -> int:
               f"{sum(h['tokens_per_s'] for h in tail) / len(tail):,.0f} tokens/s; "
               + _idle_words(cfg, 100 * sum(h['bubble'] for h in tail) / len(tail))
               + (f"validation loss {result['val_loss']:.4f}; " if math.isfinite(result["val_loss"]) else "")
-              + f"wall {time.perf_counter() - t0:.0f} s")
+              + f"wall {time.perf_counter() - t0:.0f} s"
+              + (f" ({cfg['emulation']})" if cfg.get("emulation") else ""))
         print(f"run directory: {os.path.abspath(args.run_dir)} (checkpoint/, loss.png, history.json)")
     if result.get("preempted"):
         print(f"pipeoptim train: stopped by SIGTERM after step {result['preempted']} of {args.steps}: every rank "

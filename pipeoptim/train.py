@@ -56,6 +56,9 @@ name; call ``train_step(batch)`` on every rank.
   ``load`` drain first; each call's loss is its own window's. Faster per step, it learns less per update: more
   of its micro-batches meet the full staleness (``benchmarks/bench_stream_convergence.py``), so it is off by
   default.
+- Emulation for benchmarks (multi-process CPU jobs only): ``link=`` a ``links.Link`` delays every point-to-point
+  message by latency + bytes / bandwidth (``runtime.comm``), ``straggler=(device, factor)`` slows that pipeline
+  device's compute by the factor (``runtime.worker``). Their numbers are an emulation's, not a network's.
 """
 from __future__ import annotations
 
@@ -177,7 +180,8 @@ class Pipeline:
                  copies: Sequence[tuple[str, str]] = (), seed: int = 0,
                  init_fn: Callable[[nn.Module], None] | None = None, on_nonfinite: str = "stop",
                  watchdog_s: float | None = None, delay_hparams: DelayRules | dict | None = None,
-                 measure_activations: bool = False, stream: bool = False):
+                 measure_activations: bool = False, stream: bool = False, link=None,
+                 straggler: tuple[int, float] | None = None):
         if (layers is None) == (stages is None):
             raise ConfigError("give the model either as layers= (with an optional balance) or as stages= (one "
                               "module per stage, or a factory stage_index -> module), not both and not neither")
@@ -188,6 +192,9 @@ class Pipeline:
         if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
         dp = check_dp(dp, emulate)
+        if emulate and (link is not None or straggler is not None):
+            raise ConfigError("link= and straggler= emulate a network and a slow device between processes; "
+                              "emulate=True runs every stage in one process. Drop emulate=True")
         if layers is not None:
             layers = as_layers(layers)
         self.emulate, self.clip_norm, self.loss_fn = emulate, clip_norm, loss_fn
@@ -274,13 +281,15 @@ class Pipeline:
             self.workers.append(DeviceWorker(self.plan, d, runtimes, loss_fn, autocast_dtype=working,
                                              device_type=tdev.type))
             self.workers[-1].ties = ties
+            if straggler is not None and straggler[0] == d:
+                self.workers[-1].slowdown = float(straggler[1])
         if emulate:
             self._runner = Emulator(self.plan, self.workers)
         else:
             if self._watch is not None:  # creating its process groups waits for every rank
                 self._watch.doing(BUILT, COLLECTIVE)
             self._runner = Executor(self.plan, self.workers[0], dp_rank=self.dp_rank, dp_size=dp,
-                                    device=tdev, watch=ctx.watch)
+                                    device=tdev, watch=ctx.watch, link=link)
         self.device = tdev
         self.last_stats: dict = {}
         self.step_count = 0

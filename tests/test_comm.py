@@ -228,3 +228,53 @@ def test_an_evaluation_with_other_shapes_leaves_trainings_receives_posted_in_tra
         assert second == [1] * len(first) and after == [1] * len(first)
     else:           # the slot's agreed shapes are evaluation's now: the first forward changes back
         assert after[0] == 3
+
+
+# ---- emulated link (pipeoptim.links.Link; ``pipeoptim train --link``) ----------------------------------------------
+LINK_LATENCY_S, LINK_BANDWIDTH = 0.05, 1e6     # 50 ms, 1 MB/s: large against loopback and scheduling noise
+LINK_SIZES = [4000, 8, 4000, 8, 8]             # float64 elements: 32 kB (32 ms at 1 MB/s), then 64 bytes, ...
+
+
+def _link_job():
+    import os
+    import time
+
+    from pipeoptim.links import Link
+    from pipeoptim.runtime.comm import P2P
+    from pipeoptim.runtime.dist_env import init_from_env
+
+    init_from_env()
+    rank = int(os.environ["RANK"])
+    keys = [Forward(mb, 1, 0) for mb in range(len(LINK_SIZES))]
+    plan = SimpleNamespace(channels={(0, 1): keys})
+    p2p = P2P(plan, rank, lambda d: d, torch.device("cpu"), link=Link(LINK_LATENCY_S, LINK_BANDWIDTH))
+    out = {"sent_s": [], "send_calls_s": 0.0, "got": []}
+    for _ in range(2):                          # the second iteration: receives posted ahead, same layouts
+        p2p.reset(plan)
+        if rank == 0:
+            t0 = time.time()
+            for key, n in zip(keys, LINK_SIZES):
+                x = torch.full((n,), time.time(), dtype=torch.float64)   # the message carries its send time
+                p2p.send(1, key, (x,))
+            out["send_calls_s"] = max(out["send_calls_s"], time.time() - t0)
+        else:
+            for key in keys:
+                (x,) = p2p.recv(0, key)
+                out["got"].append((float(x[0]), time.time(), x.numel() * 8))
+        p2p.finish()
+    return out
+
+
+def test_an_emulated_link_delivers_each_message_after_latency_plus_bytes_over_bandwidth_in_order():
+    sender, receiver = launch(_link_job, 2, timeout_s=120)
+    # the sender is not held up: five sends take far less than one message's latency
+    assert sender["send_calls_s"] < LINK_LATENCY_S / 2
+    got = receiver["got"]
+    assert len(got) == 2 * len(LINK_SIZES)
+    for sent, arrived, nbytes in got:
+        assert arrived - sent >= LINK_LATENCY_S + nbytes / LINK_BANDWIDTH - 1e-3
+    # in order per peer: a small message sent after a large one is not handed out before it
+    arrivals = [arrived for _, arrived, _ in got]
+    assert arrivals == sorted(arrivals)
+    small_after_large = got[1]
+    assert small_after_large[1] - small_after_large[0] >= LINK_LATENCY_S + 4000 * 8 / LINK_BANDWIDTH - 2e-3

@@ -40,8 +40,18 @@ of the iteration; a receive is waited on just before the compute that needs it. 
 (sender -> receiver) are taken in the sender's order (``Plan.channels``); one that arrives before it is
 needed waits in an inbox. So the executor blocks only where the schedule's timeline blocks, and the
 per-channel order is what NCCL needs.
+
+Emulated link (benchmarks only, ``link=``, ``pipeoptim train --link``). With a ``links.Link`` every message is
+delivered no sooner than latency + bytes / bandwidth after it was sent, and never before the message sent ahead
+of it on the same channel: the sender writes that delivery time (``time.time()``, so the ranks must share one
+machine's clock) into bytes 8-16 of the packed message, after the flag, and goes on computing; the receiver, once
+the message has arrived, sleeps until that time before handing it out. Each message is priced on its own, as the
+simulator prices a hop (``sim.Costs``: no queueing behind an earlier message's bytes). The real transfer
+underneath (loopback, microseconds) is not subtracted, so the emulated link must be slow against it.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -117,17 +127,20 @@ def slot_of(peer: int, key) -> tuple:
 _SAME, _CHANGED = 0, 1
 SIDE_TAG = 1  # (gloo) headers and the payloads after them: never matched with a receive posted ahead
 _FLAG_BYTES = 8
+_STAMPED_BYTES = 16   # flag, then (emulated link) the float64 time at which the message may be handed out
 _ALIGN = 16
 
 
 class Layout:
     """Where each tensor of a boundary lies in its packed message: the flag (int64) at byte 0, then each
-    tensor at an offset aligned to 16 bytes (a view of any dtype needs its element size to divide the offset)."""
+    tensor at an offset aligned to 16 bytes (a view of any dtype needs its element size to divide the offset).
+    ``stamped``: bytes 8-16 hold the delivery time of an emulated link (the first tensor starts at 16 either way)."""
 
-    def __init__(self, metas: Metas):
+    def __init__(self, metas: Metas, stamped: bool = False):
         self.metas = metas
+        self.stamped = stamped
         self.spans: list[tuple[int, int] | None] = []
-        end = _FLAG_BYTES
+        end = _STAMPED_BYTES if stamped else _FLAG_BYTES
         for m in metas:
             if m is None:
                 self.spans.append(None)
@@ -148,6 +161,10 @@ class Layout:
 
     def flag(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[:_FLAG_BYTES].view(torch.int64)
+
+    def stamp(self, buf: torch.Tensor) -> torch.Tensor:
+        """The delivery time (float64 seconds) of a stamped message."""
+        return buf[_FLAG_BYTES:_STAMPED_BYTES].view(torch.float64)
 
 
 class _Buffers:
@@ -197,12 +214,18 @@ class P2P:
     """Messages between pipeline ranks of one data-parallel copy; ``global_rank(d)`` maps a device to a rank."""
 
     def __init__(self, plan: Plan, me: int, global_rank, device: torch.device, wait=None,
-                 post_all_ahead: bool | None = None):
+                 post_all_ahead: bool | None = None, link=None):
         """``wait(work, what, peer)`` waits for one transfer (``what`` in words, ``peer`` the global rank on
         the other end); the executor's tells the rank's watchdog what it waits for. ``post_all_ahead``: post
         every receive of an iteration whose layout is known when it starts (default: on gloo, i.e. CPU
-        tensors; NCCL posts one ahead per channel, see the module docstring)."""
+        tensors; NCCL posts one ahead per channel, see the module docstring). ``link``: a ``links.Link`` to
+        emulate (module docstring), on CPU tensors only; None: messages go as fast as the transport does."""
         self.plan, self.me, self.global_rank, self.device = plan, me, global_rank, device
+        if link is not None and torch.device(device).type != "cpu":
+            raise ValueError("an emulated link delays CPU messages (gloo); on GPUs the transfers are NCCL's own")
+        self.link = link
+        self.stamped = link is not None
+        self._last_delivery: dict[int, float] = {}   # dst -> delivery time of the last message sent to it
         self.wait = wait or (lambda work, what, peer: work.wait())
         self.post_all_ahead = torch.device(device).type == "cpu" if post_all_ahead is None else post_all_ahead
         # slot -> the layout (shapes) agreed for it: the receiver expects it from this rank / this rank expects it;
@@ -260,8 +283,8 @@ class P2P:
             works = _start(dist.isend, keep, peer)
         else:
             header = pack_header(tensors, self.device)   # checks dtypes and ranks before anything is sent
-            layout = Layout(metas)
-            keep = [header, self._pack(dst, i, layout, tensors)]
+            layout = Layout(metas, self.stamped)
+            keep = [header, self._pack(dst, i, layout, tensors, HEADER_LEN * 8)]
             works = []
             if posted is not None:                       # fill the receive dst posted, flagged "changed"
                 fill = torch.zeros(posted.nbytes, dtype=torch.uint8, device=self.device)
@@ -273,13 +296,24 @@ class P2P:
         self.sent_by_key[(dst, key, self.kind)] = layout
         self.pending.append((works, keep, key, dst))
 
-    def _pack(self, dst: int, index: int, layout: Layout, tensors: tuple) -> torch.Tensor:
+    def _pack(self, dst: int, index: int, layout: Layout, tensors: tuple, extra_bytes: int = 0) -> torch.Tensor:
         buf, views = self._send_bufs.for_sending((dst, index), layout)  # its last send completed at the last finish()
         with torch.no_grad():
             for view, t in zip(views, tensors):
                 if t is not None:
                     view.copy_(t)
+        if self.link is not None:   # in order per channel: never before the message sent ahead of it
+            due = time.time() + self.link.transfer_s(layout.nbytes + extra_bytes)
+            due = self._last_delivery[dst] = max(due, self._last_delivery.get(dst, 0.0))
+            layout.stamp(buf).fill_(due)
         return buf
+
+    def _deliver(self, layout: Layout, buf: torch.Tensor) -> None:
+        """(Emulated link) hold a message that arrived until its delivery time."""
+        if self.link is not None:
+            wait = float(layout.stamp(buf)) - time.time()
+            if wait > 0:
+                time.sleep(wait)
 
     # ---- receiving ---------------------------------------------------------------------------------------
     def recv(self, src: int, key) -> tuple:
@@ -314,16 +348,18 @@ class P2P:
                 self.wait(w, f"{key}'s input from rank {peer}", peer)
             if int(posted.layout.flag(posted.buf)) == _SAME:
                 self.recv_by_key[(src, key, self.kind)] = posted.layout
+                self._deliver(posted.layout, posted.buf)
                 return posted.layout.views(posted.buf)
         h = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         for w in _start(dist.irecv, [h], peer, self.side_tag):
             self.wait(w, f"the header of {key}'s input from rank {peer}", peer)
-        layout = Layout(tuple(unpack_header(h)))
+        layout = Layout(tuple(unpack_header(h)), self.stamped)
         buf = self._recv_bufs.get((src, index), layout.nbytes)
         for w in _start(dist.irecv, [buf], peer, self.side_tag):
             self.wait(w, f"{key}'s input from rank {peer}", peer)
         self.recv_layouts[slot_of(src, key)] = layout
         self.recv_by_key[(src, key, self.kind)] = layout
+        self._deliver(layout, buf)
         return layout.views(buf)
 
     def finish(self) -> None:

@@ -102,7 +102,10 @@ class Groups:
 
 class Executor:
     def __init__(self, plan: Plan, worker: DeviceWorker, *, dp_rank: int = 0, dp_size: int = 1,
-                 device: torch.device = torch.device("cpu"), groups: Groups | None = None, watch=None):
+                 device: torch.device = torch.device("cpu"), groups: Groups | None = None, watch=None,
+                 link=None):
+        """``link``: a ``links.Link`` the point-to-point messages are delayed by (an emulated link for
+        benchmarks, ``comm.P2P``); None: the transport's own speed."""
         self.plan, self.worker, self.me = plan, worker, worker.device
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rank = dp_rank * plan.num_devices + self.me
@@ -110,7 +113,7 @@ class Executor:
         self.groups = groups or Groups(plan, self.me, dp_rank, dp_size, tied_sets, device)
         self.watch = watch
         self._doing = watch.doing if watch is not None else (lambda what, peer=None: None)
-        self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device, wait=self._wait)
+        self.p2p = P2P(plan, self.me, lambda d: dp_rank * plan.num_devices + d, device, wait=self._wait, link=link)
         # set by ``Pipeline.request_stop`` (a signal handler): sent with the next iteration's scalars, so every
         # rank learns at the same iteration that some rank asked the job to stop (``stats["stop"]``)
         self.stop_requested = False

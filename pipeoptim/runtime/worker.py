@@ -111,6 +111,9 @@ class DeviceWorker:
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
         self.train = True
         self.busy = 0.0
+        # an emulated straggler (benchmarks, ``Pipeline(straggler=...)``): each forward, backward and step of this
+        # device is followed by a sleep of (slowdown - 1) x its own time, counted as busy
+        self.slowdown = 1.0
         self.ties: list = []  # tied.TieGroup, the same list on every rank (set by the Pipeline)
         self._abouts: dict = {}  # compute action -> what _about derives for it from the plan being run
         self._abouts_by_plan: dict = {}  # id(plan) -> (plan, its _abouts): a stream's segments relabel actions
@@ -202,6 +205,7 @@ class DeviceWorker:
                     self.losses[op.mb] = self.loss_fn(out, self.targets[op.mb]).detach().float()
                 else:
                     outs = as_tuple(out)
+        self._straggle(t0)
         self.busy += time.perf_counter() - t0
         if last:
             return None
@@ -235,16 +239,22 @@ class DeviceWorker:
             with st.policy.backward(op.mb, s=lookahead, part="input"):
                 dxs, work = input_pass(tensors, grad_tensors, xs, params)
             self.weight_work[key] = (work, lookahead)
+            self._straggle(t0)
             self.busy += time.perf_counter() - t0
             return None if op.stage == 0 else dxs
         if tensors:
             st.policy.call_backward(op.mb, lookahead, run_backward, tensors, grad_tensors)
         else:
             st.policy.call_backward(op.mb, lookahead, _nothing)
+        self._straggle(t0)
         self.busy += time.perf_counter() - t0
         if op.stage == 0:
             return None
         return tuple([x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in xs])
+
+    def _straggle(self, t0: float) -> None:
+        if self.slowdown != 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - t0))
 
     def backward_weight(self, op: BackwardWeight) -> None:
         """Run ``op``: the weight gradients its ``I`` deferred, accumulated into the chunk's gradient buffer."""
@@ -256,6 +266,7 @@ class DeviceWorker:
         work, lookahead = self.weight_work.pop(key)
         with st.policy.backward(op.mb, s=lookahead, part="weight"):
             weight_pass(work)
+        self._straggle(t0)
         self.busy += time.perf_counter() - t0
 
     def _output_grads(self, op, last: bool, outs: tuple, grads: tuple | None) -> tuple[list, list]:
@@ -392,4 +403,5 @@ class DeviceWorker:
         stepped = st.policy.step(next_s=self.run_plan.next_s(self.device, index), skip=not finite)
         if stepped and st.scheduler is not None:
             st.scheduler.step()
+        self._straggle(t0)
         self.busy += time.perf_counter() - t0
