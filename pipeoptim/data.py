@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -90,8 +92,14 @@ def text_files(path: str | os.PathLike) -> list[Path]:
     files and folders, and binary files, skipped). DataError if there is none."""
     root = Path(path)
     if not root.exists():
+        if root.is_symlink():
+            raise DataError(_broken_link(root))
         raise DataError(f"{root} does not exist")
     if root.is_file():
+        if not _is_text(root):
+            raise DataError(f"{root} is a binary file (a NUL byte in its first {_BINARY_PROBE // 1024} KiB), not "
+                            "text: give a text file, a folder of text files, or a folder made by pipeoptim "
+                            "prepare-data")
         return [root]
     if not root.is_dir():
         raise DataError(f"{root} is neither a file nor a folder")
@@ -102,6 +110,17 @@ def text_files(path: str | os.PathLike) -> list[Path]:
         what = f"only binary files ({len(files)})" if files else "no files"
         raise DataError(f"the folder {root} holds {what}: give a text file or a folder of text files")
     return text
+
+
+def _broken_link(link: Path) -> str:
+    """Why the symbolic link ``link`` leads nowhere: a loop (it points back to itself), or a missing target."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return (f"{link} is a symbolic link that leads back to itself (a loop: {link} -> "
+                    f"{os.readlink(link)}); point it at a text file or folder")
+    return f"{link} is a symbolic link to {os.readlink(link)}, which does not exist"
 
 
 def held_out_bytes(size: int, val_fraction: float = VAL_FRACTION) -> int:
@@ -141,6 +160,34 @@ def text_corpus(path: str | os.PathLike, val_fraction: float = VAL_FRACTION,
     return Corpus(train=_to_tensor(train, encode), val=_to_tensor(val, encode))
 
 
+_CODE_FILES = ("tokenizer_config.json", "config.json")  # where transformers reads an auto_map
+
+
+def _custom_code_message(where: str, why: str) -> str:
+    return (f"{where} asks to run code of its own ({why}), and pipeoptim never runs code from a folder or the "
+            "cache (trust_remote_code=False): give a tokenizer.json file, or a folder whose tokenizer class is "
+            "built into transformers")
+
+
+def refuse_custom_code(folder: str | os.PathLike, what: str = "tokenizer") -> None:
+    """DataError if a Hugging Face folder asks for code of its own (an ``auto_map`` in its tokenizer_config.json
+    or config.json): such a folder is refused before transformers reads it, never run."""
+    for name in _CODE_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                auto_map = json.load(f).get("auto_map")
+        except (OSError, ValueError, AttributeError):
+            continue  # not ours to judge: transformers names a damaged file itself
+        if auto_map:
+            refs = [v if isinstance(v, str) else next((x for x in v if x), "") for v in auto_map.values()]
+            modules = sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs if r})
+            raise DataError(_custom_code_message(f"the {what} folder {str(folder)!r}",
+                                                 f"its {name} has an auto_map naming {', '.join(modules)}"))
+
+
 def load_tokenizer(name_or_path: str) -> tuple[Callable[[str], list[int]], int]:
     """(encode, vocabulary size) of a tokenizer present on this machine: a ``tokenizer.json`` file, a folder
     written by ``save_pretrained``, or a model name already in the Hugging Face cache. Nothing is
@@ -160,9 +207,15 @@ def load_tokenizer(name_or_path: str) -> tuple[Callable[[str], list[int]], int]:
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError("--tokenizer needs the transformers package: pip install 'pipeoptim[hf]'") from None
+    if os.path.isdir(name_or_path):
+        refuse_custom_code(name_or_path, "tokenizer")
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        # never code from the folder or the cache (an auto_map would otherwise ask to run it), never a download
+        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):  # a cached name whose files ask for custom code
+            raise DataError(_custom_code_message(f"the tokenizer {name_or_path!r} in the Hugging Face cache",
+                                                 "its files have an auto_map")) from None
         where = "that folder holds no tokenizer" if os.path.isdir(name_or_path) else \
             "it is no file or folder here and no model of that name is in the Hugging Face cache"
         raise DataError(f"no tokenizer found at {name_or_path!r}: {where} (nothing is downloaded). Give a "
