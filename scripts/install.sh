@@ -29,6 +29,9 @@ if [ "$packages" -eq 1 ]; then
     # without them, and CI installs them so they run. torchvision must match torch (0.29.1 <-> 2.14.1).
     step "installing the optional extras transformers 5.24.0 and torchvision 0.29.1 (about 0.1 GB)"
     "${PIP[@]}" --quiet "transformers==5.24.0" "torchvision==0.29.1"
+    # the documentation site (mkdocs.yml): tests/test_docs.py builds it with --strict
+    step "installing the documentation tools mkdocs, mkdocs-material and mkdocstrings[python] (about 0.02 GB)"
+    "${PIP[@]}" --quiet mkdocs mkdocs-material "mkdocstrings[python]"
 fi
 if [ "$extension" -eq 0 ]; then
     step "packages installed (--packages-only: the extension is not built)"
