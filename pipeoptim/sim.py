@@ -19,6 +19,7 @@ for the same time, so this equals each device's idle / total, the quantity the c
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -56,6 +57,9 @@ class Costs:
     param_bytes:           gradient bytes of one D-th of the model (scaled like compute).
     activation_memory:     memory a micro-batch's forward keeps until its backward, per D-th of the model.
     dp_size:               data-parallel copies a ``Sync(dp=True)`` also spans.
+    jitter, jitter_seed:   uneven devices: each forward, backward, I and W takes its cost times a factor drawn
+                           uniformly from [1 - jitter, 1 + jitter] (mean 1), the same for the same seed, device
+                           and operation whatever the order of simulation; 0: none.
     """
     forward: PerStage = 1.0
     backward: PerStage = 2.0
@@ -72,6 +76,8 @@ class Costs:
     param_bytes: PerStage = 1.0
     activation_memory: PerStage = 1.0
     dp_size: int = 1
+    jitter: float = 0.0
+    jitter_seed: int = 0
 
     @classmethod
     def from_measurements(cls, forward: Sequence[float], backward: Sequence[float], **others) -> "Costs":
@@ -155,8 +161,17 @@ def simulate(schedule: Schedule, costs: Costs | None = None, prediction: bool = 
         if any(v <= 0 for v in values):
             raise ValueError(f"Costs.{name} must be positive on every stage, got {values}")
     stale = version_difference(s) if prediction else {}
+    if not 0.0 <= costs.jitter < 1.0:
+        raise ValueError(f"Costs.jitter must be in [0, 1) (a factor in [1 - jitter, 1 + jitter]), got {costs.jitter}")
 
     def duration(device: int, a: Action) -> float:
+        base = _duration(device, a)
+        if costs.jitter and isinstance(a, (Forward, Backward, BackwardInput, BackwardWeight)):
+            draw = random.Random(f"{costs.jitter_seed}/{device}/{type(a).__name__}/{a.stage}/{a.mb}").random()
+            return base * (1.0 + costs.jitter * (2.0 * draw - 1.0))
+        return base
+
+    def _duration(device: int, a: Action) -> float:
         if isinstance(a, Forward):
             return fwd[a.stage] + (pred[a.stage] if stale.get((a.stage, a.mb), 0) > 0 else 0.0)
         if isinstance(a, Backward):

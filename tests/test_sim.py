@@ -197,3 +197,26 @@ def test_profile_stages_times_a_hugging_face_cut():
     p = profile_stages(cut.layers, ids, loss_fn=lambda logits: cut.loss_fn(logits, ids), repeats=1, warmup=0)
     assert len(p["backward"]) == 4 and min(p["forward"] + p["backward"]) > 0
     assert p["activation_bytes"][-1] == 2 * 8 * 32 * 4.0                            # the logits
+
+
+# ---- links and uneven devices (issue 43) ----------------------------------------------------------------------------
+def test_a_hop_costs_latency_plus_bytes_over_bandwidth_on_the_critical_path():
+    # GPipe, one micro-batch: the forward crosses D - 1 hops and the backward D - 1 more, nothing overlaps them
+    D, latency, nbytes, bandwidth = 4, 0.5, 100.0, 400.0
+    free = simulate(get_schedule("gpipe", D, 1), EQUAL).makespan
+    linked = simulate(get_schedule("gpipe", D, 1), Costs(forward=1.0, backward=1.0, p2p_latency=latency,
+                                                          p2p_bandwidth=bandwidth, activation_bytes=nbytes)).makespan
+    assert linked - free == pytest.approx(2 * (D - 1) * (latency + nbytes / bandwidth))
+
+
+def test_jitter_is_seeded_mean_preserving_and_refused_outside_its_range():
+    sched = get_schedule("1f1b", 4, 64)
+    plain = simulate(sched, EQUAL)
+    jittered = [simulate(sched, Costs(forward=1.0, backward=1.0, jitter=0.3, jitter_seed=s)) for s in (0, 0, 1)]
+    assert jittered[0].makespan == jittered[1].makespan != jittered[2].makespan
+    # each op's factor has mean 1, so the busy time barely moves; the waits for the slowest op lengthen the run
+    assert sum(jittered[0].busy) == pytest.approx(sum(plain.busy), rel=0.05)
+    assert jittered[0].makespan > plain.makespan
+    assert simulate(sched, Costs(forward=1.0, backward=1.0, jitter=0.0, jitter_seed=7)).makespan == plain.makespan
+    with pytest.raises(ValueError, match="jitter must be in"):
+        simulate(sched, Costs(jitter=1.0))

@@ -1,0 +1,65 @@
+"""benchmarks/bench_regime_map.py: rows the study never measured say so (D = 32, deeper in-flight depths), a
+method's time to target is its measured updates times the projected time per update, and the crossing latency
+is read from the sweep."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+
+
+def _load(name):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_DIR, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rm = _load("bench_regime_map")
+btt, npj = rm.btt, rm.npj
+
+
+def test_rows_measured_and_not_measured():
+    wl = btt.WORKLOADS[rm.WORKLOAD]
+    runs = btt.read_runs(os.path.join(btt.RESULTS, f"time_to_target_{wl.name}_runs.csv"))
+    costs = btt.load_or_measure_costs(wl, btt.RESULTS, measure=False)
+    memory = npj.measure_layer_memory(btt.GPT16)
+    methods = {m: rm.METHODS[m] for m in ("zbv-muon", "2bw-muon", "2bw-muon-inflight4")}
+    rows = rm.regime_rows(wl, runs, costs, memory, (4, 32), ("free",), methods)
+    by = {(r["devices"], r["uneven"], r["method"]): r for r in rows}
+    assert len(rows) == 2 * 2 * 3
+    for uneven in (False, True):
+        for m in methods:
+            assert by[(32, uneven, m)]["time_to_target_s"] == "not measured"
+    assert by[(4, False, "2bw-muon-inflight4")]["time_to_target_s"] == "not measured"
+    zbv = by[(4, False, "zbv-muon")]
+    assert (zbv["seeds"], zbv["seeds_reached"]) == (3, 3)
+    # RESULTS.md 6.6: synchronous Muon, 77 updates; ZBV 2.07 s at D = 4 with communication free
+    assert zbv["time_to_target_s"] == pytest.approx(zbv["updates_mean"] * zbv["time_per_update_s"], rel=1e-3)
+    assert zbv["time_to_target_s"] == pytest.approx(2.07, abs=0.01)
+    assert by[(4, True, "zbv-muon")]["time_to_target_s"] > zbv["time_to_target_s"]
+    assert all(isinstance(r["peak_activation_bytes"], int) for r in rows if r["devices"] == 4)
+
+
+def test_crossing_latency_is_interpolated_in_log_latency():
+    lat = rm.SWEEP_LATENCIES
+    sweep = []
+    for bw in rm.SWEEP_BANDWIDTHS:
+        for latency in lat:
+            sweep.append({"bandwidth": bw, "latency_s": latency, "asynchronous": False, "time_to_target_s": 1.0})
+            # async: 4x slower at the smallest latency, a factor 2 better per decade
+            a = 4.0 * (latency / lat[0]) ** -math.log10(2) if bw == "10Gbit/s" else 2.0
+            sweep.append({"bandwidth": bw, "latency_s": latency, "asynchronous": True, "time_to_target_s": a})
+    got = rm.crossings(sweep)
+    assert got["100Mbit/s"] is None                                   # never first
+    assert got["10Gbit/s"] == pytest.approx(lat[0] * 100, rel=0.01)     # where the two are equal
