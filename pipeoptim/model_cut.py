@@ -24,7 +24,7 @@ from torch import nn
 from .materialize import is_meta, materialize, replicate
 from .runtime.plan import ConfigError
 
-__all__ = ["StageModule", "ModelCut", "as_layers"]
+__all__ = ["StageModule", "ModelCut", "as_layers", "check_unshared"]
 
 _CUT_HELP = ("give the model as a list of layers (each maps the previous layer's output, a tensor or a tuple of "
              "tensors, to its own), as stages=[one module per stage], or as stages=lambda stage_index: module; for "
@@ -70,6 +70,28 @@ def _boundary(out, name: str, layer: nn.Module):
                     "returns only tensors (e.g. out['hidden_states'], or drop None entries)")
 
 
+def check_unshared(layers: Sequence[nn.Module]) -> None:
+    """A ConfigError naming them if two meta-built layers hold one submodule with tensors (e.g. a rotary
+    embedding every decoder layer points at): each layer is made real on its own, so the first makes the shared
+    module real and the second is then half real, half meta."""
+    if not any(any(t.is_meta for t in layer.parameters()) or any(t.is_meta for t in layer.buffers())
+               for layer in layers):
+        return
+    owner: dict[int, tuple[int, str]] = {}
+    for i, layer in enumerate(layers):
+        for sub_name, sub in layer.named_modules():
+            if not (any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))):
+                continue
+            if id(sub) in owner and owner[id(sub)][0] != i:
+                j, first = owner[id(sub)]
+                raise ConfigError(f"layers {j} and {i} share one {type(sub).__name__} module ({j}.{first or '(itself)'}"
+                                  f" is {i}.{sub_name or '(itself)'}); a meta-built layer is made real on its own, so a "
+                                  "module two layers hold cannot be. Give each layer its own copy "
+                                  "(copy.deepcopy(module)) if it holds only buffers (a rotary embedding), or two copies "
+                                  "declared tied=/copies= if it holds weights")
+            owner.setdefault(id(sub), (i, sub_name))
+
+
 def as_layers(layers) -> list[nn.Module]:
     """The user's layers as a list of modules, or a ConfigError saying how to give them."""
     if isinstance(layers, (nn.Sequential, nn.ModuleList)):
@@ -97,6 +119,7 @@ class ModelCut:
 
     @classmethod
     def from_layers(cls, layers: list[nn.Module], balance: Sequence[int]) -> "ModelCut":
+        check_unshared(layers)
         starts = [sum(balance[:i]) for i in range(len(balance))]
         return cls([layers[a:a + b] for a, b in zip(starts, balance)],
                    [[str(a + j) for j in range(b)] for a, b in zip(starts, balance)])

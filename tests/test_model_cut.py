@@ -90,3 +90,39 @@ def test_meta_factory_stages_give_shapes_without_memory():
     shapes = cut.global_params(need_all=True)
     assert sorted(shapes) == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
     assert all(p.is_meta for _, p in shapes.values()) and calls == [0, 1, 2]
+
+
+class Rotary(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        return x * self.inv_freq.sum()
+
+
+class Block(nn.Module):
+    def __init__(self, rotary):
+        super().__init__()
+        self.linear, self.rotary = nn.Linear(4, 4), rotary
+
+    def forward(self, x):
+        return self.rotary(self.linear(x))
+
+
+def test_a_module_shared_by_meta_built_layers_is_named_as_the_cause():
+    from pipeoptim.train import Pipeline  # was: "layer 2 is partly on the meta device ... partly real"
+    with torch.device("meta"):
+        rotary = Rotary()
+        layers = [nn.Linear(4, 4), Block(rotary), Block(rotary)]
+
+    def init(layer):
+        for m in layer.modules():
+            if isinstance(m, Rotary):
+                m.inv_freq.fill_(1.0)
+            elif isinstance(m, nn.Linear):
+                m.reset_parameters()
+    with pytest.raises(ConfigError, match=r"layers 1 and 2 share one Rotary module \(1.rotary is 2.rotary\).*"
+                                          r"copy.deepcopy"):
+        Pipeline(layers, loss_fn=lambda y, t: ((y - t) ** 2).mean(), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                 devices=2, schedule="1f1b", microbatches=2, emulate=True, init_fn=init)

@@ -1,47 +1,74 @@
-"""Hugging Face causal language models (GPT-2, Llama and models laid out like them) as pipeline layers.
+"""Hugging Face language models as pipeline layers: any decoder-only causal LM (``causal_lm_layers``) and BERT-style
+masked-LM encoders (``masked_lm_layers``), cut by what the model is, not by a list of class names.
 
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoConfig, AutoModelForCausalLM
     from pipeoptim.models.hf import causal_lm_layers
     from pipeoptim.train import Pipeline
 
+    config = AutoConfig.for_model("qwen3", num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
     with torch.device("meta"):                       # no memory: each rank materialises only its own stages
-        model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, vocab_size=256))
+        model = AutoModelForCausalLM.from_config(config)
     cut = causal_lm_layers(model)
-    pipe = Pipeline(cut.layers, loss_fn=cut.loss_fn, init_fn=cut.init_fn, copies=cut.tied, devices=4,
-                    schedule="async-1f1b", policy="pipeoptim", optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
-    loss = pipe.train_step((input_ids, input_ids))   # labels = input_ids: the HF loss shifts them itself
+    pipe = Pipeline(cut.layers, loss_fn=cut.loss_fn, init_fn=cut.init_fn, copies=cut.tied, devices=2,
+                    schedule="async-1f1b", optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-4))
+    loss = pipe.train_step(((input_ids,), input_ids))  # labels = input_ids: the HF loss shifts them itself
 
-The cut is ``[embedding, decoder block × n, final norm + LM head]``; any contiguous run of these layers is a
-stage. What crosses a boundary is a tuple of tensors: ``(hidden_states, position_ids)``, plus the 2-D padding
-``attention_mask`` when the batch's inputs are ``(input_ids, attention_mask)``. Each block rebuilds the 4-D
-causal mask (``transformers.masking_utils.create_causal_mask``) and, for Llama-style models, its rotary
-``(cos, sin)`` from those, exactly as the unsplit model does once: small tensors cross the wire, not the
-(B, T, head_dim) rotary tables or a (B, 1, T, T) mask.
+How the cut finds the model's parts. The decoder layers are the ``nn.ModuleList`` of ``num_hidden_layers``
+modules of one class; the module holding them (``model.model``, ``transformer``, ``gpt_neox``, ``model.decoder``)
+is the *backbone*. The cut is ``[embedding, layer × n, head]``; any contiguous run of these is a stage:
 
-Tied input/output embeddings (GPT-2, or ``tie_word_embeddings=True``) cannot be one tensor on two stages: the
-head gets its own copy and ``cut.tied`` names the pair. Pass ``tied=cut.tied`` under a synchronous schedule
-(the copies stay one weight: their gradients are summed before each step, as the shared parameter's would be)
-or ``copies=cut.tied`` under an asynchronous one (the head starts as a copy of the embedding and then trains
-as its own weight: the stages holding them step at different times, so there is no moment at which one tied
-update could be made).
+- **embedding**: every module of the backbone that holds the input embedding or is an ``nn.Embedding``
+  (token, learned positions), with the backbone's own dropout;
+- **layer i**: the model's i-th decoder layer, as it is;
+- **head**: the backbone's one remaining module with parameters (its final norm, e.g. ``norm``, ``ln_f``,
+  ``final_layer_norm``), then the model's top module with ``lm_head``: what the top's forward does to the logits
+  (Gemma2's final logit softcapping, Cohere's ``logit_scale``, Granite's ``logits_scaling``) is done.
+
+Every per-model detail between the embedding and the layers is computed by **the model's own forward**: each
+stage runs the backbone's ``forward`` on a *view* of it, a shallow copy in which the layers are stand-ins without
+weights and the modules of other stages are stand-ins too. The embedding stage's view stops at layer 0 and hands
+on what the model gives it (the embedding scaled, with learned positions added, dropped out: whatever that
+model's code does); layer i's view stops at layer i and calls the real layer with exactly the arguments the
+unsplit model would pass it: the attention mask of that layer's type (causal, sliding-window per
+``layer_types``), the rotary ``(cos, sin)``, ALiBi biases, position ids. What crosses a boundary is small:
+``(hidden_states, position_ids)``, plus the 2-D padding ``attention_mask`` when the batch's inputs are
+``(input_ids, attention_mask)``; the 4-D masks and rotary tables are rebuilt in each stage, as the unsplit
+model builds them once. A module without weights but with buffers (a rotary embedding) gets a copy per stage,
+so no two stages share a tensor.
+
+Refused, by name, before anything runs: a layer argument the views cannot rebuild (a tensor computed from the
+input ids, e.g. per-layer inputs), a backbone module the cut cannot place (a projection before or after the
+layers, two norms), cross-attention, an output head that is not the input embedding's shape. ``check(cut)``
+runs each stage's view once on a tiny input (on the meta device for a meta-built model) so that these refusals
+come at cut time. The support matrix (docs/models/support-matrix.md) is generated by the test that compares
+every family transformers ships with its unsplit model.
+
+Tied input/output embeddings cannot be one tensor on two stages: the head gets its own copy and ``cut.tied``
+names the pair. Pass ``tied=cut.tied`` under a synchronous schedule (the copies stay one weight: their
+gradients are summed before each step) or ``copies=cut.tied`` under an asynchronous one (the head starts as a
+copy of the embedding and then trains as its own weight).
 
 The loss is the model's own ``ForCausalLMLoss`` (labels shifted inside, ``-100`` ignored), averaged per
-micro-batch. ``init_fn`` initialises a meta-built layer with the model's ``_init_weights`` (children first,
-as ``post_init`` does), which also recomputes the rotary frequencies that ``to_empty`` wipes. Nothing here
+micro-batch; for a masked LM, cross-entropy over the positions whose label is not ``-100``. ``init_fn``
+(``HFInit(model)``) initialises a meta-built layer with the model's ``_init_weights`` (children first, as
+``post_init`` does), which also recomputes the rotary frequencies that ``to_empty`` wipes. Nothing here
 downloads anything: build models from configs.
 """
 from __future__ import annotations
 
 import copy
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["HFCut", "byte_level_config", "causal_lm_layers", "causal_lm_loss", "require_transformers"]
+__all__ = ["HFCut", "HFInit", "UnsupportedModel", "byte_level_config", "causal_lm_layers", "causal_lm_loss",
+           "masked_lm_layers", "masked_lm_loss", "require_transformers", "untied_copy"]
 
 
 def require_transformers():
@@ -50,6 +77,10 @@ def require_transformers():
     except ImportError:
         raise ImportError("Hugging Face models need the transformers package: pip install 'pipeoptim[hf]'") from None
     return transformers
+
+
+class UnsupportedModel(TypeError):
+    """The model uses something the cut does not reproduce; the message names the feature and where it is."""
 
 
 def byte_level_config(arch: str, *, d_model: int, n_heads: int, n_layers: int, seq_len: int):
@@ -86,68 +117,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: in
     return ForCausalLMLoss(logits, labels, vocab_size=vocab_size)
 
 
-def _block_output(out):
-    return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden_states, ...)
-
-
-def _boundary(hidden, position_ids, attention_mask):
-    return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
-
-
-def _positions(input_ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-
-
-class GPT2Embedding(nn.Module):
-    """Token + position embeddings and dropout (GPT-2's ``wte``, ``wpe``, ``drop``)."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module):
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids, attention_mask=None):
-        position_ids = _positions(input_ids)
-        hidden = self.drop(self.wte(input_ids) + self.wpe(position_ids))
-        return _boundary(hidden, position_ids, attention_mask)
-
-
-class TokenEmbedding(nn.Module):
-    """Llama-style token embedding (positions enter each block through rotary embeddings)."""
-
-    def __init__(self, embed_tokens: nn.Embedding):
-        super().__init__()
-        self.embed_tokens = embed_tokens
-
-    def forward(self, input_ids, attention_mask=None):
-        return _boundary(self.embed_tokens(input_ids), _positions(input_ids), attention_mask)
-
-
-class DecoderBlock(nn.Module):
-    """One decoder layer; rebuilds the causal mask (and rotary cos/sin) from what crossed the boundary."""
-
-    def __init__(self, block: nn.Module, config, rotary: nn.Module | None = None):
-        super().__init__()
-        self.block, self.rotary = block, rotary
-        self.config = config
-
-    def forward(self, hidden, position_ids, attention_mask=None):
-        from transformers.masking_utils import create_causal_mask
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask, cache=None,
-                                  position_ids=position_ids)
-        extra = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids=position_ids)}
-        out = _block_output(self.block(hidden, attention_mask=mask, position_ids=position_ids, **extra))
-        return _boundary(out, position_ids, attention_mask)
-
-
-class LMHead(nn.Module):
-    """Final norm and the vocabulary projection; returns logits (B, T, vocab)."""
-
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def forward(self, hidden, position_ids=None, attention_mask=None):
-        return self.lm_head(self.norm(hidden))
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
+    """A masked LM's loss (what ``BertForMaskedLM`` computes): cross-entropy where the label is not -100."""
+    return nn.functional.cross_entropy(logits.float().view(-1, vocab_size), labels.view(-1), ignore_index=-100)
 
 
 def _post_order(module: nn.Module):
@@ -156,8 +128,10 @@ def _post_order(module: nn.Module):
     yield module
 
 
-class _HFInit:
-    """init_fn: the model's own ``_init_weights`` on every submodule, children first."""
+class HFInit:
+    """``init_fn`` for meta-built Hugging Face layers: the model's own ``_init_weights`` on every submodule of a
+    layer, children first (as ``post_init`` does). Use it for layers written by hand from a model's modules:
+    ``Pipeline(my_layers, init_fn=HFInit(model), ...)``."""
 
     def __init__(self, model):
         self.model = model
@@ -167,48 +141,466 @@ class _HFInit:
             self.model._init_weights(m)
 
 
-def _untied_head(lm_head: nn.Linear, embedding: nn.Embedding) -> nn.Linear:
-    """An output projection with its own weight, equal to the embedding's (or meta, like it)."""
-    w = embedding.weight
-    head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
-    head.weight = nn.Parameter(torch.empty_like(w, device="meta") if w.is_meta else w.detach().clone(),
-                               requires_grad=w.requires_grad)
-    return head
+_HFInit = HFInit  # the name before it was public
+
+
+def untied_copy(head: nn.Module) -> nn.Module:
+    """``head`` (an output projection whose weight is the input embedding's) with a weight of its own, equal to
+    it (or meta, like it): what a stage that is not the embedding's holds. Declare the pair ``tied=`` or
+    ``copies=`` to the Pipeline."""
+    out = copy.copy(head)
+    out._parameters = dict(head._parameters)
+    out._buffers, out._modules = dict(head._buffers), dict(head._modules)
+    w = head.weight
+    out.weight = nn.Parameter(torch.empty_like(w, device="meta") if w.is_meta else w.detach().clone(),
+                              requires_grad=w.requires_grad)
+    return out
+
+
+# ---- the views: the model's own forward, run on stand-ins --------------------------------------------------
+class _Arrived(Exception):
+    """Raised by the stand-in of the layer a view stops at, carrying what the model passed it."""
+
+    def __init__(self, args, kwargs):
+        super().__init__("arrived")
+        self.args, self.kwargs = args, kwargs
+
+
+class _LayerStandIn(nn.Module):
+    """Takes a decoder layer's place in a view: passes the hidden states on, or stops the forward at its index.
+    Carries the layer's plain attributes (``attention_type``, ``layer_idx``...) that a model's loop may read."""
+
+    def __init__(self, index: int, layer: nn.Module):
+        super().__init__()
+        for k, v in vars(layer).items():
+            if not k.startswith("_") and k != "training" and isinstance(v, (str, int, float, bool, type(None))):
+                setattr(self, k, v)
+        self.index, self.stop_at, self.as_tuple = index, -1, False
+
+    def forward(self, *args, **kwargs):
+        if self.index == self.stop_at:
+            raise _Arrived(args, kwargs)
+        return self.passed_on(args, kwargs)
+
+    def passed_on(self, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        return (hidden,) if self.as_tuple else hidden
+
+
+class _Elsewhere(nn.Module):
+    """Takes the place of a module that another stage holds: passes a float activation on (a wrapper of the
+    input embedding called with ``inputs_embeds``), else gives a zero that adds to anything (learned positions)."""
+
+    def forward(self, *args, **kwargs):
+        for t in (*args, *kwargs.values()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3:
+                return t
+        device = next((t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        return torch.zeros((), device=device)
+
+
+class _BackboneOutput(nn.Module):
+    """The backbone's place in the head's view of the top model: returns the (normed) hidden states set just
+    before, as the backbone's output; any attribute on the path to the layers is itself."""
+
+    def __init__(self, path: list[str]):
+        super().__init__()
+        self.path, self.hidden = set(path), None
+
+    def __getattr__(self, name):
+        if name in self.__dict__.get("path", ()):
+            return self
+        return super().__getattr__(name)
+
+    def forward(self, *args, **kwargs):
+        return _backbone_output_class()(last_hidden_state=self.hidden)
+
+
+@functools.cache
+def _backbone_output_class():
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    class BackboneOutput(BaseModelOutputWithPastAndCrossAttentions):
+        """The hidden states as the backbone's output; any other field a model reads (router logits, caches)
+        is None, as when the unsplit model is not asked for it."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+    return BackboneOutput
+
+
+def _view(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` whose children named in ``children`` are replaced (the module is untouched)."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    out._parameters, out._buffers = dict(module._parameters), dict(module._buffers)
+    out._forward_hooks, out._forward_pre_hooks = OrderedDict(), OrderedDict()
+    out._modules.update(children)
+    return out
+
+
+@dataclass
+class _Anatomy:
+    """Where the parts of a Hugging Face model are, found by its structure and by watching its forward once."""
+    model: nn.Module
+    config: object
+    path: list[str]                     # from the model to the backbone (the layers' parent)
+    layers_name: str
+    layers: list[nn.Module]
+    entry: list[str]                    # the module whose forward the views run (the base model)
+    head_place: str                     # the top model's child holding the output projection
+    tuple_layers: bool = False          # the model's loop takes layer(...)[0]: stand-ins return a 1-tuple
+    first: dict[str, nn.Module] = field(default_factory=dict)   # run before layer 0: the embedding stage's
+    last: dict[str, nn.Module] = field(default_factory=dict)    # run after the last layer, in order: the head's
+    buffers: dict[str, nn.Module] = field(default_factory=dict)  # weightless with buffers (rotary): one copy a stage
+
+    @property
+    def list_place(self) -> str:
+        return ".".join([*self.path, self.layers_name])
+
+
+def _has_weights(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _find(model: nn.Module) -> tuple[_Anatomy, dict[str, nn.Module]]:
+    """The layers, the backbone path and the output head, by structure; and every other module beside the path
+    (``place -> module``), to be placed by watching the forward."""
+    require_transformers()
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if config is None or not hasattr(model, "get_input_embeddings"):
+        raise UnsupportedModel(f"{name} is not a Hugging Face model (no config/get_input_embeddings); write its "
+                               "layers as a list of modules (docs/models/hugging-face.md, 'Layers by hand')")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "is_encoder_decoder", False) or getattr(text, "add_cross_attention", False):
+        raise UnsupportedModel(f"{name}: cross-attention (is_encoder_decoder / add_cross_attention): its layers "
+                               "need encoder states, which the cut does not carry")
+    if getattr(text, "output_router_logits", False):
+        raise UnsupportedModel(f"{name}: output_router_logits=True adds the routers' auxiliary loss to the loss, "
+                               "which the cut's loss does not compute; set output_router_logits=False")
+    if (getattr(text, "layerdrop", 0.0) or 0.0) > 0.0:
+        raise UnsupportedModel(f"{name}: layerdrop={text.layerdrop} skips layers at random in training, which a "
+                               "pipeline's stages cannot agree on; set layerdrop=0")
+    n = getattr(text, "num_hidden_layers", None)
+    lists = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and n and len(m) == n
+             and len({type(x) for x in m}) == 1]
+    if len(lists) != 1:
+        found = ", ".join(p for p, _ in lists) or "none"
+        raise UnsupportedModel(f"{name}: the cut looks for one list of num_hidden_layers={n} layers of one class "
+                               f"and found {found}; write its layers by hand (docs/models/hugging-face.md)")
+    list_path, blocks = lists[0]
+    *path, layers_name = list_path.split(".")
+    prefix = getattr(model, "base_model_prefix", "")
+    entry = path[:1] if path else []
+    if prefix and path[:1] != [prefix] and hasattr(model, prefix):
+        raise UnsupportedModel(f"{name}: the layers ({list_path}) are not inside the base model ({prefix}); write "
+                               "its layers by hand")
+    out = model.get_output_embeddings()
+    head_place, beside = None, {}
+    for depth in range(len(path) + 1):
+        owner_path = path[:depth]
+        below = path[depth] if depth < len(path) else layers_name
+        for child_name, child in model.get_submodule(".".join(owner_path)).named_children():
+            if child_name == below:
+                continue
+            if depth == 0:  # beside the base model: the output head, or refused
+                if out is not None and any(m is out for m in child.modules()) and head_place is None:
+                    head_place = child_name
+                elif _has_weights(child):
+                    raise UnsupportedModel(f"{name}.{child_name} ({type(child).__name__}) has weights beside the "
+                                           "base model and the output head; the cut does not know when it runs")
+                continue
+            beside[".".join([*owner_path, child_name])] = child
+    if head_place is None:
+        raise UnsupportedModel(f"{name} has no output head beside its base model (get_output_embeddings() is "
+                               f"{type(out).__name__}); pass the *ForCausalLM / *LMHeadModel / *ForMaskedLM class")
+    return _Anatomy(model, text, path, layers_name, list(blocks), entry, head_place), beside
+
+
+class _Watch(nn.Module):
+    """A module's place in the watched forward: records the call and returns an activation of the right shape
+    (an input's, or zeros (B, T, hidden) for ids), which requires grad so that what is computed from it shows."""
+
+    def __init__(self, place: str, hidden_size: int, log: list):
+        super().__init__()
+        self.place, self.hidden_size, self.log = place, hidden_size, log
+
+    def forward(self, *args, **kwargs):
+        self.log.append(self.place)
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.is_floating_point() and t.dim() >= 3:
+                return t
+        ids = tensors[0]
+        return torch.zeros(*ids.shape, self.hidden_size, requires_grad=True)
+
+
+class _WatchLayer(_LayerStandIn):
+    def __init__(self, index, layer, log, received):
+        super().__init__(index, layer)
+        self.log, self.received = log, received
+
+    def forward(self, *args, **kwargs):
+        self.log.append(self.index)
+        self.received.append((args, kwargs))
+        return self.passed_on(args, kwargs)
+
+
+def _call_entry(view: nn.Module, **inputs):
+    try:
+        return view(**inputs, use_cache=False)
+    except TypeError as e:
+        if "use_cache" not in str(e):
+            raise
+        return view(**inputs)
+
+
+def _watch(a: _Anatomy, beside: dict[str, nn.Module]) -> None:
+    """Run the base model's forward once on CPU with every weighted module and layer as a recording stand-in
+    (four token ids, nothing of the model's size is allocated) and place each module by when it ran: before the
+    layers (the embedding stage), after them (the head), or between them (refused). A layer argument computed
+    from the hidden states or from weights is refused too: a stage could not rebuild it."""
+    try:
+        _watch_once(a, beside, as_tuple=False)
+    except UnsupportedModel as plain:
+        if plain.__cause__ is None:
+            raise
+        try:
+            _watch_once(a, beside, as_tuple=True)  # a loop that takes layer(...)[0]
+        except UnsupportedModel:
+            raise plain from plain.__cause__
+        a.tuple_layers = True
+
+
+def _watch_once(a: _Anatomy, beside: dict[str, nn.Module], as_tuple: bool) -> None:
+    name = type(a.model).__name__
+    a.first.clear(), a.last.clear(), a.buffers.clear()
+    log, received = [], []
+    hidden_size = getattr(a.config, "hidden_size", None)
+    watched = nn.ModuleList(_WatchLayer(i, b, log, received) for i, b in enumerate(a.layers))
+    for s in watched:
+        s.as_tuple = as_tuple
+    replace: dict[str, nn.Module] = {a.list_place: watched}
+    init = HFInit(a.model)
+    for place, m in beside.items():
+        if _has_weights(m):
+            replace[place] = _Watch(place, hidden_size, log)
+        elif any(True for _ in m.buffers()):
+            c = copy.deepcopy(m)
+            if any(t.is_meta for t in c.buffers()) or any(t.device.type != "cpu" for t in c.buffers()):
+                c.to_empty(device="cpu")
+                with torch.no_grad():
+                    init(c)
+            replace[place] = c
+            a.buffers[place] = m
+        else:
+            hooked = copy.copy(m)
+            hooked._forward_hooks, hooked._forward_pre_hooks = OrderedDict(), OrderedDict()
+            hooked.register_forward_pre_hook(lambda mod, args, place=place: log.append(place))
+            replace[place] = hooked
+    view = _rebuild(a, replace)
+    view.train(False)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    try:
+        _call_entry(view, input_ids=ids)
+    except UnsupportedModel:
+        raise
+    except Exception as e:  # noqa: BLE001  (the model's own code failed on the stand-ins: say so, do not guess)
+        raise UnsupportedModel(f"{name}: the cut runs the model's forward with stand-ins for its layers to see "
+                               f"where each module runs, and it failed ({type(e).__name__}: {e}); write the layers "
+                               "by hand (docs/models/hugging-face.md)") from e
+    layer_at = [k for k, e in enumerate(log) if isinstance(e, int)]
+    if [log[k] for k in layer_at] != list(range(len(a.layers))):
+        raise UnsupportedModel(f"{name}: its forward called the layers in the order {[log[k] for k in layer_at]}, "
+                               "not once each in order; the cut cannot place them")
+    for k, e in enumerate(log):
+        if isinstance(e, int) or e in a.first or e in a.last:
+            continue
+        if layer_at[0] < k < layer_at[-1]:
+            raise UnsupportedModel(f"{name}: {e} ({type(beside[e]).__name__}) runs between layers "
+                                   f"{log[max(j for j in layer_at if j < k)]} and "
+                                   f"{log[min(j for j in layer_at if j > k)]}; the cut cannot place it")
+        (a.first if k < layer_at[0] else a.last)[e] = beside[e]
+    for place, m in beside.items():  # weighted modules the forward never ran (unused): the embedding stage keeps
+        if place not in a.first and place not in a.last and place not in a.buffers and _has_weights(m):
+            a.first[place] = m
+    for i, (args, kwargs) in enumerate(received):
+        named = {**{f"argument {j}": v for j, v in enumerate(args[1:], 1)}, **kwargs}
+        for key, value in named.items():
+            if key == "hidden_states":
+                continue
+            flat = value if isinstance(value, (tuple, list)) else (value,)
+            if any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in flat):
+                raise UnsupportedModel(f"layer {i} ({type(a.layers[i]).__name__}) receives {key!r}, which the "
+                                       "model's forward computes from the hidden states or from weights outside the "
+                                       "layer; the cut cannot rebuild it in the layer's stage, so it refuses")
+
+
+def _rebuild(a: _Anatomy, replace: dict[str, nn.Module]) -> nn.Module:
+    """A view of the base model: the modules named in ``replace`` replaced, the path down to the layers copied."""
+    def rebuild(prefix: list[str]) -> nn.Module:
+        module = a.model.get_submodule(".".join(prefix))
+        children = {}
+        for child_name, _ in module.named_children():
+            place = ".".join([*prefix, child_name])
+            if place in replace:
+                children[child_name] = replace[place]
+            elif [*prefix, child_name] == a.path[:len(prefix) + 1]:
+                children[child_name] = rebuild([*prefix, child_name])
+        return _view(module, children)
+    return rebuild(a.entry)
+
+
+def _shared_weightless(blocks: list[nn.Module]) -> None:
+    """A weightless module (a rotary embedding) that several layers hold as one object gets one copy per layer,
+    so each layer owns its buffers (stages materialise their layers one by one)."""
+    seen: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for owner in block.modules():
+            for child_name, child in list(owner.named_children()):
+                if id(child) in seen and seen[id(child)] != i:
+                    if _has_weights(child):
+                        raise UnsupportedModel(f"layers {seen[id(child)]} and {i} share the module {child_name} "
+                                               f"({type(child).__name__}) with weights; a pipeline cannot split "
+                                               "one weight between layers")
+                    setattr(owner, child_name, copy.deepcopy(child))
+                else:
+                    seen.setdefault(id(child), i)
+
+
+class _Stage(nn.Module):
+    """A part of the cut: holds its own modules (registered under the model's names) and a view of the model
+    (not registered: its other modules are stand-ins)."""
+
+    def _setup_view(self, a: _Anatomy, own: dict[str, nn.Module], stop_at: int) -> None:
+        copies = {place: copy.deepcopy(m) for place, m in a.buffers.items()}
+        standins = nn.ModuleList(_LayerStandIn(i, b) for i, b in enumerate(a.layers))
+        replace: dict[str, nn.Module] = {a.list_place: standins, **copies}
+        for place, m in {**a.first, **a.last}.items():
+            replace[place] = own.get(place, _Elsewhere() if _has_weights(m) else nn.Identity())
+        for place, m in {**own, **copies}.items():
+            self.add_module(place.split(".")[-1], m)
+        for s in standins:
+            s.stop_at, s.as_tuple = stop_at, a.tuple_layers
+        self.__dict__["_view"] = _rebuild(a, replace)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if "_view" in self.__dict__:
+            for m in self.__dict__["_view"].modules():
+                m.training = mode
+        return self
+
+    def _arrive(self, **inputs):
+        try:
+            _call_entry(self.__dict__["_view"], **inputs)
+        except _Arrived as stop:
+            return stop.args, stop.kwargs
+        raise UnsupportedModel(f"{type(self.__dict__['_view']).__name__}.forward did not reach its layer")
+
+
+class HFEmbedding(_Stage):
+    """The first part: the model's own forward from the input ids up to its first layer (embedding, learned
+    positions, scaling, dropout: whatever that model does), handing on ``(hidden, position_ids[, mask])``."""
+
+    def __init__(self, a: _Anatomy):
+        super().__init__()
+        self._setup_view(a, dict(a.first), 0)
+
+    def forward(self, input_ids, attention_mask=None):
+        args, kwargs = self._arrive(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        position_ids = kwargs.get("position_ids")
+        if not isinstance(position_ids, torch.Tensor):
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+
+
+class HFLayer(_Stage):
+    """Layer i, called with exactly the arguments the unsplit model passes it (its attention mask, rotary
+    embeddings, ALiBi biases...), rebuilt by the model's own forward from what crossed the boundary."""
+
+    def __init__(self, a: _Anatomy, index: int):
+        super().__init__()
+        self.block, self.index = a.layers[index], index
+        self._setup_view(a, {}, index)
+
+    def forward(self, hidden, position_ids, attention_mask=None):
+        with torch.no_grad():  # masks and rotary tables: no gradient flows through them
+            args, kwargs = self._arrive(inputs_embeds=hidden.detach(), attention_mask=attention_mask,
+                                        position_ids=position_ids)
+        out = self.block(hidden, *args[1:], **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, position_ids) if attention_mask is None else (out, position_ids, attention_mask)
+
+
+class HFHead(_Stage):
+    """The last part: what the backbone runs after its layers (the final norm), then the top model's forward from
+    there (the output projection and what that model does to its logits: softcapping, scales). Returns logits."""
+
+    def __init__(self, a: _Anatomy, head: nn.Module):
+        super().__init__()
+        for place, m in a.last.items():
+            self.add_module(place.split(".")[-1], m)
+        self.__dict__["_after"] = list(a.last.values())
+        setattr(self, a.head_place, head)
+        backbone = _BackboneOutput(a.path)
+        self.__dict__["_view"] = _view(a.model, {a.head_place: head, **({a.path[0]: backbone} if a.path else {})})
+        self.__dict__["_backbone"] = backbone
+
+    def forward(self, hidden, position_ids=None, attention_mask=None):
+        for m in self.__dict__["_after"]:
+            hidden = m(hidden)
+        self.__dict__["_backbone"].hidden = hidden
+        try:
+            out = self.__dict__["_view"](input_ids=None, inputs_embeds=hidden, attention_mask=attention_mask)
+        finally:
+            self.__dict__["_backbone"].hidden = None
+        return out.logits
+
+
+def _replace_inside(root: nn.Module, old: nn.Module, new: nn.Module) -> nn.Module:
+    """``root`` with ``old`` replaced by ``new`` (views copied down to it; everything else shared)."""
+    if root is old:
+        return new
+    children = {n: _replace_inside(c, old, new) for n, c in root.named_children()
+                if any(m is old for m in c.modules())}
+    return _view(root, children) if children else root
+
+
+def _cut(model: nn.Module, loss) -> HFCut:
+    a, beside = _find(model)
+    _shared_weightless(a.layers)
+    _watch(a, beside)
+    embedding, out_proj = model.get_input_embeddings(), model.get_output_embeddings()
+    head = model.get_submodule(a.head_place)
+    tied = []
+    if out_proj is not None and out_proj.weight is embedding.weight:
+        inner = next(n for n, m in head.named_modules() if m is out_proj)
+        head = _replace_inside(head, out_proj, untied_copy(out_proj))
+        emb_place = next(p for p, m in a.first.items() if any(x is embedding for x in m.modules()))
+        emb_inner = next(n for n, m in a.first[emb_place].named_modules() if m is embedding)
+        name = lambda *parts: ".".join(x for x in parts if x)  # noqa: E731
+        tied = [(name("0", emb_place.split(".")[-1], emb_inner, "weight"),
+                 name(str(len(a.layers) + 1), a.head_place, inner, "weight"))]
+    layers = [HFEmbedding(a), *(HFLayer(a, i) for i in range(len(a.layers))), HFHead(a, head)]
+    return HFCut(layers=layers, loss_fn=functools.partial(loss, vocab_size=embedding.weight.shape[0]),
+                 init_fn=HFInit(model), tied=tied)
 
 
 def causal_lm_layers(model: nn.Module) -> HFCut:
-    """Cut a Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM`` or one laid out like them) into
-    pipeline layers; see the module docstring. The layers hold the model's own submodules (no copy), so a
-    pipeline built from a real model trains that model in place."""
-    require_transformers()
-    config = getattr(model, "config", None)
-    lm_head = getattr(model, "lm_head", None)
-    if hasattr(model, "transformer") and hasattr(model.transformer, "h"):  # GPT-2 layout
-        t = model.transformer
-        embed = GPT2Embedding(t.wte, t.wpe, t.drop)
-        embedding, embed_name = t.wte, "wte"
-        blocks = [DecoderBlock(b, config) for b in t.h]
-        norm = t.ln_f
-    elif hasattr(model, "model") and hasattr(model.model, "layers") and hasattr(model.model, "embed_tokens"):
-        m = model.model  # Llama layout (Mistral, Qwen2, ... share it)
-        embed = TokenEmbedding(m.embed_tokens)
-        embedding, embed_name = m.embed_tokens, "embed_tokens"
-        rotary = getattr(m, "rotary_emb", None)
-        blocks = [DecoderBlock(b, config, copy.deepcopy(rotary) if rotary is not None else None) for b in m.layers]
-        norm = m.norm
-    else:
-        raise TypeError(f"causal_lm_layers does not know the layout of {type(model).__name__}: it cuts GPT-2-style "
-                        "models (transformer.wte/wpe/h/ln_f + lm_head) and Llama-style ones (model.embed_tokens/"
-                        "layers/norm/rotary_emb + lm_head); for another model write its layers as a list of modules "
-                        "(each returning a tensor or a tuple of tensors)")
-    if lm_head is None or config is None:
-        raise TypeError(f"{type(model).__name__} has no lm_head; pass the *ForCausalLM / *LMHeadModel class")
-    if getattr(config, "add_cross_attention", False):
-        raise TypeError("cross-attention GPT-2 models are not supported (their blocks need encoder states)")
-    tied = []
-    if lm_head.weight is embedding.weight:
-        lm_head = _untied_head(lm_head, embedding)
-        tied = [(f"0.{embed_name}.weight", f"{len(blocks) + 1}.lm_head.weight")]
-    layers = [embed, *blocks, LMHead(norm, lm_head)]
-    return HFCut(layers=layers, loss_fn=functools.partial(causal_lm_loss, vocab_size=config.vocab_size),
-                 init_fn=_HFInit(model), tied=tied)
+    """Cut a Hugging Face decoder-only causal LM (any ``*ForCausalLM`` / ``*LMHeadModel``) into pipeline layers;
+    see the module docstring. The layers hold the model's own modules (no copy), so a pipeline built from a real
+    model trains that model in place. A model the cut cannot reproduce raises ``UnsupportedModel`` naming the
+    feature and the layer, before anything runs."""
+    return _cut(model, causal_lm_loss)
+
+
+def masked_lm_layers(model: nn.Module) -> HFCut:
+    """Cut a Hugging Face masked-LM encoder (``BertForMaskedLM``, ``RobertaForMaskedLM``...) into pipeline layers,
+    as ``causal_lm_layers`` does: the embeddings, each encoder layer (its bidirectional padding mask rebuilt by the
+    model's own forward), the MLM head. Labels are the masked positions' ids, -100 elsewhere."""
+    return _cut(model, masked_lm_loss)
