@@ -158,3 +158,21 @@ def test_has_committed_tells_a_checkpoint_from_what_a_stopped_run_left(tmp_path)
     legacy.mkdir()
     (legacy / "part-0.pt").write_bytes(b"x")
     assert files.has_committed(str(legacy))
+
+
+def test_prune_removes_steps_set_aside_as_incomplete_once_a_newer_one_is_committed(tmp_path):
+    # issue 44: a half-written step set aside as .incomplete survived pruning forever
+    half = _write(tmp_path, 1, _payloads(1), commit=False)
+    aside = files.set_aside(half)
+    assert os.path.basename(aside) == "step-00000001.incomplete"
+    again = files.set_aside(_write(tmp_path, 1, _payloads(2), commit=False))  # the same step, set aside twice
+    assert os.path.basename(again) == "step-00000001.incomplete-2"
+    late = files.set_aside(_write(tmp_path, 9, _payloads(3), commit=False))  # newer than any commit: kept
+    damaged = files.set_aside(_write(tmp_path, 0, _payloads(4)))  # committed but damaged: kept for a look
+    assert os.path.basename(damaged) == "step-00000000.damaged"
+    for step in (2, 3):
+        _write(tmp_path, step, _payloads(step))
+    removed = files.prune(str(tmp_path), 2)
+    assert sorted(removed) == sorted([aside, again])
+    assert sorted(os.listdir(tmp_path)) == ["step-00000000.damaged", "step-00000002", "step-00000003",
+                                            os.path.basename(late)]

@@ -44,6 +44,7 @@ MANIFEST = "manifest.json"
 FORMAT = "pipeoptim-checkpoint/1"
 _STEP = re.compile(r"^step-(\d+)$")
 _STAGED = re.compile(r"^step-(\d+)\.(next|replaced)$")  # a step written again, beside its committed copy
+_INCOMPLETE = re.compile(r"^step-(\d+)\.incomplete(-\d+)?$")  # set aside uncommitted (``set_aside``)
 _CHUNK = 1 << 20
 
 
@@ -279,6 +280,13 @@ def list_steps(root: str) -> list[tuple[int, str]]:
     return sorted(found.items(), reverse=True)
 
 
+def _set_aside_incomplete(root: str, before: int) -> list[str]:
+    """Step directories set aside as incomplete (never committed: nothing in them can be loaded) for steps
+    older than ``before``."""
+    found = [(_INCOMPLETE.match(n), n) for n in os.listdir(root)] if os.path.isdir(root) else []
+    return [os.path.join(root, n) for m, n in found if m and int(m.group(1)) < before]
+
+
 def _staging_leftovers(root: str, steps: list[tuple[int, str]]) -> list[str]:
     """``step-<n>.next`` / ``.replaced`` directories that no longer stand for their step."""
     if not os.path.isdir(root):
@@ -342,7 +350,8 @@ def sizes_ok(directory: str) -> bool:
 def prune(root: str, keep: int | None) -> list[str]:
     """Delete all but the newest ``keep`` committed checkpoints under ``root`` (a truncated one does not
     count, and stays), and uncommitted step directories older than the newest committed one (crash
-    leftovers). Returns the deleted directories."""
+    leftovers, and those ``set_aside`` named incomplete; a damaged one, committed, stays for a look). Returns
+    the deleted directories."""
     if keep is None:
         return []
     if keep < 1:
@@ -353,6 +362,7 @@ def prune(root: str, keep: int | None) -> list[str]:
     if committed:
         newest_step = next(s for s, d in steps if d == committed[0])
         doomed += [d for s, d in steps if s < newest_step and not is_checkpoint(d)]
+        doomed += _set_aside_incomplete(root, newest_step)
     doomed += _staging_leftovers(root, steps)
     for d in doomed:
         uncommit(d)
