@@ -265,6 +265,15 @@ register("train", "train a small GPT (or a Hugging Face model) through a pipelin
          _train_arguments, lazy("pipeoptim.cli_train", "run"))
 
 
+def _prepare_arguments(p: argparse.ArgumentParser) -> None:
+    from .cli_prepare import add_arguments
+    add_arguments(p)
+
+
+register("prepare-data", "tokenize a corpus once into token shards that train --data reads by index",
+         _prepare_arguments, lazy("pipeoptim.cli_prepare", "run"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipeoptim", description="Pipeline-parallel training tools.",
                                      allow_abbrev=False)
