@@ -1,4 +1,5 @@
-"""benchmarks/probe_async_update.py: the window model's arithmetic (checked at its own break-even point), a run on
+"""benchmarks/probes/probe_async_update.py:
+the window model's arithmetic (checked at its own break-even point), a run on
 the tiny model reporting every stage with positive times, and bad arguments refused before anything runs."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_async_update as probe  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/probe_cpu_prefetch.py: its report's every ratio, and the prefetch setting left as it was."""
+"""benchmarks/probes/probe_cpu_prefetch.py: its report's every ratio, and the prefetch setting left as it was."""
 import importlib.util
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import pytest
 import pipeoptim_kernels as pk
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("probe_cpu_prefetch", ROOT / "benchmarks" / "probe_cpu_prefetch.py")
+_spec = importlib.util.spec_from_file_location("probe_cpu_prefetch",
+                                               ROOT / "benchmarks" / "probes" / "probe_cpu_prefetch.py")
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 
@@ -24,7 +25,7 @@ def test_a_small_run_reports_every_ratio_and_restores_the_setting(tmp_path, caps
     finally:
         module.set_cpu_prefetch(previous)
     text = out.read_text()
-    assert text.startswith("# python benchmarks/probe_cpu_prefetch.py --sizes 4096")
+    assert text.startswith("# python benchmarks/probes/probe_cpu_prefetch.py --sizes 4096")
     for label in ("off", "128 B", f"default ({module.cpu_isa()}:"):
         assert f"  prefetch {label}" in text
     assert text.count("in-place predict's speed / addcmul_'s") == 3

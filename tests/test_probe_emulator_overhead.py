@@ -1,4 +1,4 @@
-"""benchmarks/probe_emulator_overhead.py: every part and piece is reported with a time, the parts run inside the
+"""benchmarks/probes/probe_emulator_overhead.py: every part and piece is reported with a time, the parts run inside the
 emulated step, the timed methods are restored afterwards, and bad arguments are refused."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_emulator_overhead as probe  # noqa: E402
 
 

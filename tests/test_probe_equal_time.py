@@ -1,4 +1,5 @@
-"""benchmarks/probe_equal_time.py: the budget each asynchronous method gets (the leader's time, in whole windows and
+"""benchmarks/probes/probe_equal_time.py:
+the budget each asynchronous method gets (the leader's time, in whole windows and
 evaluations), the rows it records, resuming, and run_curve's own budget."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_equal_time as probe  # noqa: E402
 
 ttt = probe.ttt

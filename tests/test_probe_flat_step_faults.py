@@ -1,4 +1,5 @@
-"""benchmarks/probe_flat_step_faults.py: three configurations, each a fresh process, each with a positive time; the
+"""benchmarks/probes/probe_flat_step_faults.py:
+three configurations, each a fresh process, each with a positive time; the
 setting is applied only where asked for."""
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_flat_step_faults as probe  # noqa: E402
 
 

@@ -7,7 +7,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location(
-    "probe_fused_adam_second_moment", os.path.join(HERE, "..", "benchmarks", "probe_fused_adam_second_moment.py"))
+    "probe_fused_adam_second_moment",
+    os.path.join(HERE, "..", "benchmarks", "probes", "probe_fused_adam_second_moment.py"))
 probe_mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(probe_mod)
 

@@ -1,4 +1,5 @@
-"""benchmarks/probe_grads_finite.py: both stage sizes, every check timed with a positive time; the checks agree with
+"""benchmarks/probes/probe_grads_finite.py:
+both stage sizes, every check timed with a positive time; the checks agree with
 a float64 reference on finite, overflowing and non-finite buffers."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_grads_finite as probe  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/probe_recv_posting.py: the three ways run the same steps and every measure is reported."""
+"""benchmarks/probes/probe_recv_posting.py: the three ways run the same steps and every measure is reported."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_recv_posting as probe  # noqa: E402
 
 

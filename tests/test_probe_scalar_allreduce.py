@@ -1,4 +1,4 @@
-"""benchmarks/probe_scalar_allreduce.py: every rank times both ways of summing and reports positive times."""
+"""benchmarks/probes/probe_scalar_allreduce.py: every rank times both ways of summing and reports positive times."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "probes"))
 import probe_scalar_allreduce as probe  # noqa: E402
 
 

@@ -23,7 +23,7 @@ those); what the comparison says is whether the updates cost more than the drain
 ZBV schedules idle less than 1F1B, so against them the bar is higher still. Medians of ``--rounds`` timings after
 ``--warmup`` untimed ones.
 
-    python benchmarks/probe_async_update.py [--model gpt] [--ranks 2] [--microbatches 8]
+    python benchmarks/probes/probe_async_update.py [--model gpt] [--ranks 2] [--microbatches 8]
         [--rows-per-microbatch 1] [--optimizer adamw-fused] [--rounds 15] [--out PATH]
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # benchmarks/
 import bench_runtime_peer as peer  # noqa: E402
 
 

@@ -14,7 +14,7 @@ tensor (its best case, 28 B per element). Machines shared with other tenants mov
 from round to round, so the ratios are paired: the median over rounds of one variant's time over another's in
 the same round, with a 90 % bootstrap interval (``bench_runtime_peer.paired_ratio``).
 
-    python benchmarks/probe_cpu_prefetch.py [--sizes 8M,64M] [--rounds 41] [--prefetch 0,default,256,2048]
+    python benchmarks/probes/probe_cpu_prefetch.py [--sizes 8M,64M] [--rounds 41] [--prefetch 0,default,256,2048]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 sys.path.insert(0, str(HERE.parent))
 
 import pipeoptim_kernels as pk  # noqa: E402
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         ap.error(f"--sizes takes sizes like 8M,64M and --prefetch numbers of bytes or 'default': {e}")
     if args.rounds < 3 or any(d < -1 or d > 1 << 20 for d in distances):
         ap.error("--rounds must be >= 3 and each --prefetch distance from 0 to 1048576 bytes, or 'default'")
-    command = "python benchmarks/probe_cpu_prefetch.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/probes/probe_cpu_prefetch.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [f"# {command}", f"# {peer._cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"cpu isa {pk.compiled.cpu_isa()}, rounds {args.rounds}"]
     print("\n".join(lines), flush=True)

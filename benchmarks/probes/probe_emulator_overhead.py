@@ -20,7 +20,7 @@ work goes, so that the next change aims at the largest piece instead of a guess:
 One thread. ``--model gpt`` runs the same on the GPT of ``bench_runtime_peer.py`` (there the per-action work is
 noise beside the compute).
 
-    python benchmarks/probe_emulator_overhead.py [--model tiny] [--microbatches 8] [--rounds 150] [--out PATH]
+    python benchmarks/probes/probe_emulator_overhead.py [--model tiny] [--microbatches 8] [--rounds 150] [--out PATH]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import timeit
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # benchmarks/
 import bench_runtime_peer as peer  # noqa: E402
 
 PARTS = ("forward", "backward", "step", "sq_norm")  # the DeviceWorker methods timed by part

@@ -12,8 +12,8 @@ It reads the study's CSVs (runs and measured costs: run bench_time_to_target.py 
 results/time_to_target_<workload>_equal_time.csv (one row per run, its curve included). Runs already in that CSV
 are not run again.
 
-    python benchmarks/probe_equal_time.py --workload hfgpt2 --devices 16 --methods pipeoptim pipedream --jobs 2
-    python benchmarks/probe_equal_time.py --workload hfgpt2 --devices 16 --report
+    python benchmarks/probes/probe_equal_time.py --workload hfgpt2 --devices 16 --methods pipeoptim pipedream --jobs 2
+    python benchmarks/probes/probe_equal_time.py --workload hfgpt2 --devices 16 --report
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 sys.path.insert(0, HERE)
 import bench_time_to_target as ttt  # noqa: E402  (spawned workers import it by this name)
 

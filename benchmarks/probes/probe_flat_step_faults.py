@@ -9,7 +9,7 @@ thread: a GPT stage of ``bench_runtime_peer.py`` (2 Transformer blocks of width 
 parameters) stepped ``--warmup`` times untimed, then ``--steps`` times; the median time and the mean minor page
 faults per step.
 
-    python benchmarks/probe_flat_step_faults.py [--steps 20] [--warmup 5] [--width 512]
+    python benchmarks/probes/probe_flat_step_faults.py [--steps 20] [--warmup 5] [--width 512]
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ float32 ulps. This probe prints, for one step from v = 0, the worst and median r
 the float64 rule (relative to the magnitude of the terms, as tests/kernel_reference.assert_second_moment_close
 measures it), so that the comparison the GPU test makes can be read and repeated.
 
-    python benchmarks/probe_fused_adam_second_moment.py --device cuda   # the GPU run's numbers
-    python benchmarks/probe_fused_adam_second_moment.py --device cpu    # the same on the CPU (fused is exact there)
+    python benchmarks/probes/probe_fused_adam_second_moment.py --device cuda   # the GPU run's numbers
+    python benchmarks/probes/probe_fused_adam_second_moment.py --device cpu  # the same on the CPU (fused: exact there)
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
 import pipeoptim_kernels as pk  # noqa: E402
 from kernel_reference import reference_second_moment, second_moment_scale  # noqa: E402
 

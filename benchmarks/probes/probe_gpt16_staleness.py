@@ -11,9 +11,9 @@ Two ways to train the study's 16-block byte-level GPT (AdamW, 16 samples per upd
   and ``--lags`` choose which layers are stale and by how much, ``--sync-first`` trains without staleness first,
   ``--warmup`` ramps the lr up linearly.
 
-    python benchmarks/probe_gpt16_staleness.py --pipeline stash --devices 4 --updates 128 --window 32
-    python benchmarks/probe_gpt16_staleness.py --devices 4 --updates 128                # lags 3,2,1,0
-    python benchmarks/probe_gpt16_staleness.py --balance 1,4,13 --lags 0,3,0 --updates 128
+    python benchmarks/probes/probe_gpt16_staleness.py --pipeline stash --devices 4 --updates 128 --window 32
+    python benchmarks/probes/probe_gpt16_staleness.py --devices 4 --updates 128                # lags 3,2,1,0
+    python benchmarks/probes/probe_gpt16_staleness.py --balance 1,4,13 --lags 0,3,0 --updates 128
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 
 
 def _study():

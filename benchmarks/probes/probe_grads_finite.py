@@ -12,7 +12,7 @@ One thread, with ``pipeoptim.cpu_memory.keep_freed_memory`` applied as every CPU
 size is a stage of ``bench_runtime_peer.py``: the tiny model's (2 x Linear(64, 64)) and the GPT's (2 Transformer
 blocks of width 512). Medians of ``--repeats`` calls after ``--warmup`` untimed ones.
 
-    python benchmarks/probe_grads_finite.py [--repeats 20] [--warmup 3] [--width 512]
+    python benchmarks/probes/probe_grads_finite.py [--repeats 20] [--warmup 3] [--width 512]
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ forward read: what recomputing on the kept ŵ computes exactly).
 ``--part convergence``: bench_convergence's gpt4 setting (byte-level GPT, 4 stages, async-1f1b, AdamW) with
 PipeOptim, every stage recomputed, both choices and no recomputation, several seeds: final validation loss.
 
-    python benchmarks/probe_recompute_weights.py --part grad
-    python benchmarks/probe_recompute_weights.py --part convergence --seeds 0 1 2
+    python benchmarks/probes/probe_recompute_weights.py --part grad
+    python benchmarks/probes/probe_recompute_weights.py --part convergence --seeds 0 1 2
 
 Writes benchmarks/results/recompute_weights_grad_warm<warm>.csv or recompute_weights_convergence[_lr<lr>].csv
 (the command in every row).
@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 for p in (ROOT, os.path.join(ROOT, "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
@@ -49,7 +49,7 @@ for p in (ROOT, os.path.join(ROOT, "benchmarks")):
 import torch  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-COMMAND = "python benchmarks/probe_recompute_weights.py " + " ".join(sys.argv[1:])
+COMMAND = "python benchmarks/probes/probe_recompute_weights.py " + " ".join(sys.argv[1:])
 
 
 def _write(path: str, rows: list[dict]) -> None:

@@ -17,7 +17,7 @@ time of gloo's I/O threads alone (``/proc/self/task/*/schedstat``, Linux), summe
 the rounds and paired ratios against torch's (the median of the per-round ratios, with its 90 % bootstrap
 interval).
 
-    python benchmarks/probe_recv_posting.py [--schedules gpipe 1f1b] [--microbatches 8 32] [--rounds 30]
+    python benchmarks/probes/probe_recv_posting.py [--schedules gpipe 1f1b] [--microbatches 8 32] [--rounds 30]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))  # benchmarks/
 import bench_runtime_peer as peer  # noqa: E402
 
 WAYS = ("all ahead", "one ahead", "torch")

@@ -10,7 +10,7 @@ doing it on gloo: ``dist.all_reduce`` (a ring on the process group's worker thre
 executor uses on gloo). ``--procs`` processes (one thread each), ``--rounds`` reductions of six float64 numbers
 after a barrier and 20 untimed ones, the two ways alternating in blocks; each rank's median and mean, in ms.
 
-    python benchmarks/probe_scalar_allreduce.py [--procs 4] [--rounds 300]
+    python benchmarks/probes/probe_scalar_allreduce.py [--procs 4] [--rounds 300]
 """
 from __future__ import annotations
 
