@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from torch.utils import cpp_extension
 
 from pipeoptim_kernels import _build, compiled
+from venv_helpers import make_venv_seeing_this_environment
 
 
 def _archs(flags: list[str]) -> set[str]:
@@ -272,6 +274,35 @@ def _copy_of_the_clone(dest: Path) -> Path:
     return dest
 
 
+def test_a_venv_made_from_an_activated_venv_sees_that_venvs_packages(tmp_path):
+    """The README's set-up runs the tests inside a venv; the install test below then makes a venv of its own, which
+    must see the active venv's packages (torch), not the base interpreter's. Played with a small outer venv that
+    holds one module of its own: made from inside it, the inner venv imports that module, and the base
+    interpreter's packages stay reachable behind it."""
+    outer = tmp_path / "outer"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)], check=True)
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    outer_site = subprocess.run([str(outer / "bin" / "python"), "-c", where], check=True, capture_output=True,
+                                text=True).stdout.strip()
+    (Path(outer_site) / "only_in_the_outer_venv.py").write_text("WHERE = 'outer'\n")
+    inner = tmp_path / "inner"
+    make = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import venv_helpers; "
+            f"venv_helpers.make_venv_seeing_this_environment(__import__('pathlib').Path({str(inner)!r}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([str(outer / "bin" / "python"), "-c", make], check=True, env=env)
+    seen = subprocess.run([str(inner / "bin" / "python"), "-c",
+                           "import only_in_the_outer_venv as m; print(m.WHERE)"],
+                          capture_output=True, text=True, env=env)
+    assert seen.returncode == 0 and seen.stdout.strip() == "outer", \
+        f"a venv made inside a venv does not see that venv's packages: {seen.stderr[-2000:]}"
+    # --system-site-packages still reaches the base interpreter's, behind the outer venv's
+    paths = subprocess.run([str(inner / "bin" / "python"), "-c", "import sys; print('\\n'.join(sys.path))"],
+                           check=True, capture_output=True, text=True, env=env).stdout.splitlines()
+    base_site = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})["purelib"]
+    assert outer_site in paths and base_site in paths, paths
+    assert paths.index(outer_site) < paths.index(base_site), paths
+
+
 @pytest.mark.slow
 def test_pip_install_of_a_clone_works_from_outside_the_source_tree(tmp_path):
     """The first way in: a plain `pip install --no-build-isolation <clone>` (not editable) into a venv that
@@ -282,8 +313,9 @@ def test_pip_install_of_a_clone_works_from_outside_the_source_tree(tmp_path):
         pytest.skip("runs in the main pass only (this pass tests the build under PIPEOPTIM_KERNELS_BUILD)")
     clone = _copy_of_the_clone(tmp_path / "clone")
     venv = tmp_path / "venv"
-    # pip and setuptools come from this environment, as torch does (no ensurepip: seconds, and an older setuptools)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    # pip and setuptools come from this environment, as torch does (no ensurepip: seconds, and an older setuptools);
+    # from an activated venv too, whose packages a plain --system-site-packages would not see (venv_helpers)
+    make_venv_seeing_this_environment(venv)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PIPEOPTIM_KERNELS_BUILD", "CUDA_PATH", "PIPEOPTIM_NO_CUDA")}
     env.update(CUDA_HOME=str(tmp_path / "no-toolkit-here"), MAX_JOBS="2")
