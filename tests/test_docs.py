@@ -89,7 +89,6 @@ def test_examples_not_run_say_why():
 
 def _shell_lines(page: Path) -> list[tuple[int, str]]:
     """Each command of the page's shell examples (continuation lines joined), with its block's line."""
-    text = page.read_text(encoding="utf-8")
     found = []
     for line, code in _blocks(page, {"bash", "sh", "shell", "console"}):
         for command in code.replace("\\\n", " ").splitlines():
