@@ -84,11 +84,11 @@ def check_unshared(layers: Sequence[nn.Module]) -> None:
                 continue
             if id(sub) in owner and owner[id(sub)][0] != i:
                 j, first = owner[id(sub)]
-                raise ConfigError(f"layers {j} and {i} share one {type(sub).__name__} module ({j}.{first or '(itself)'}"
-                                  f" is {i}.{sub_name or '(itself)'}); a meta-built layer is made real on its own, so a "
-                                  "module two layers hold cannot be. Give each layer its own copy "
-                                  "(copy.deepcopy(module)) if it holds only buffers (a rotary embedding), or two copies "
-                                  "declared tied=/copies= if it holds weights")
+                here, there = f"{j}.{first or '(itself)'}", f"{i}.{sub_name or '(itself)'}"
+                raise ConfigError(f"layers {j} and {i} share one {type(sub).__name__} module ({here} is {there}); a "
+                                  "meta-built layer is made real on its own, so a module two layers hold cannot be. "
+                                  "Give each layer its own copy (copy.deepcopy(module)) if it holds only buffers (a "
+                                  "rotary embedding), or two copies declared tied=/copies= if it holds weights")
             owner.setdefault(id(sub), (i, sub_name))
 
 

@@ -409,9 +409,12 @@ def _watch_once(a: _Anatomy, beside: dict[str, nn.Module], as_tuple: bool) -> No
     except UnsupportedModel:
         raise
     except Exception as e:  # noqa: BLE001  (the model's own code failed on the stand-ins: say so, do not guess)
-        raise UnsupportedModel(f"{name}: the cut runs the model's forward with stand-ins for its layers to see "
-                               f"where each module runs, and it failed ({type(e).__name__}: {e}); write the layers "
-                               "by hand (docs/models/hugging-face.md)") from e
+        last = (f" right after {log[-1]} ({type(beside[log[-1]]).__name__}) ran, whose output the model uses in a "
+                "way a stand-in cannot imitate" if log and isinstance(log[-1], str) else "")
+        raise UnsupportedModel(f"{name}: the cut runs the model's forward with stand-ins for its layers and for the "
+                               f"modules of other stages to see where each runs, and it failed{last}; the cut does "
+                               "not reproduce this model: write the layers by hand (docs/models/hugging-face.md). "
+                               f"The model's error: {type(e).__name__}: {e}") from e
     layer_at = [k for k, e in enumerate(log) if isinstance(e, int)]
     if [log[k] for k in layer_at] != list(range(len(a.layers))):
         raise UnsupportedModel(f"{name}: its forward called the layers in the order {[log[k] for k in layer_at]}, "
