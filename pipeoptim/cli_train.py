@@ -386,8 +386,7 @@ def _config(args) -> dict:
         from .runtime.plan import ConfigError
         raise ConfigError(f"--tokenizer needs a Hugging Face model (--model hf-gpt2 or hf-llama); --model "
                           f"{args.model} reads bytes")
-    if args.data:
-        _check_data(args.data, T)
+    prepared = _check_data(args.data, T) if args.data else None  # a prepare-data folder: its manifest
     if args.model.startswith("hf-"):
         from .runtime.plan import ConfigError
         try:
@@ -400,17 +399,31 @@ def _config(args) -> dict:
                cores=_cores(), lr_given=args.lr is not None,
                lr=args.lr if args.lr is not None else default_lr(args.schedule, args.optimizer))
     _check_prediction(cfg)
+    if prepared:
+        cfg.update(_prepared_config(args, prepared))
     cfg["emulation"] = emulation_words(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
     return cfg
 
 
-def _check_data(path: str, seq_len: int) -> None:
+def _check_data(path: str, seq_len: int) -> dict | None:
+    """ConfigError unless --data can fill a window of ``seq_len`` in each split; a folder of ``pipeoptim
+    prepare-data`` returns its manifest (read from the manifest and the shards' sizes: no token is read)."""
     from .data import DataError, check_text
     from .runtime.plan import ConfigError
+    from .token_shards import SPLITS, is_prepared, read_manifest
     try:
+        if is_prepared(path):
+            manifest = read_manifest(path)
+            counts = {s: manifest["splits"][s]["tokens"] for s in SPLITS}
+            if min(counts.values()) < seq_len + 2:
+                raise ConfigError(f"--data: {path} holds {counts['train']} training and {counts['val']} held-out "
+                                  f"tokens, too few for one window of {seq_len} tokens and the next ({seq_len + 2} "
+                                  "needed in each): prepare more text")
+            return manifest
         check_text(path, seq_len)
+        return None
     except DataError as e:
         raise ConfigError(f"--data: {e}") from None
     except OSError as e:
@@ -438,6 +451,8 @@ def _corpus(cfg: dict):
 def _check_tokens(cfg: dict) -> int:
     """The tokenizer's vocabulary size, after checking that the tokenized text fills a window in each split."""
     from .runtime.plan import ConfigError
+    if cfg.get("prepared"):  # checked against the folder's manifest (_prepared_config): no text to tokenize
+        return cfg["vocab_size"]
     vocab = _load_tokenizer(cfg["tokenizer"])[1]
     corpus = _corpus(cfg)
     train, val, T = corpus.train.numel(), corpus.val.numel(), cfg["seq_len"]
@@ -546,7 +561,6 @@ def train_worker(cfg: dict) -> dict:
     from .links import parse_link, parse_straggler
     from .models import GPTConfig, gpt_layers
     from .models.gpt import lm_loss
-    from .runtime.data_parallel import replica_rows
     from .train import NonFiniteError, Pipeline
 
     torch.manual_seed(cfg["seed"])
@@ -573,15 +587,15 @@ def train_worker(cfg: dict) -> dict:
                     link=parse_link(cfg["link"]) if cfg.get("link") else None,
                     straggler=parse_straggler(cfg["straggler"]) if cfg.get("straggler") else None, **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
-    corpus = _corpus(cfg)
-    gen = torch.Generator().manual_seed(cfg["seed"])
+    from .train_batches import for_rank
+    batches = for_rank(cfg, pipe, rank, lambda: _corpus(cfg))  # read only where the first or last stage is
     history: list[dict] = []
     run_dir = cfg["run_dir"]
     ckpt = os.path.join(run_dir, "checkpoint")
     start = 0
     if cfg.get("resume_from"):
         extra = pipe.load(cfg["resume_from"])
-        gen.set_state(extra["gen"])
+        batches.restore(extra, pipe.step_count)  # the data order goes on where the checkpoint's stopped
         history = extra["history"]
         start = pipe.step_count
         changed = _apply_lr(pipe, cfg["lr"], lr_lambda) if cfg.get("lr_given", True) else []
@@ -591,7 +605,7 @@ def train_worker(cfg: dict) -> dict:
     resumed = len(history)  # the history entries of the run(s) this one continues
 
     def save() -> str:
-        return pipe.save(ckpt, extra={"gen": gen.get_state(), "history": history, "config": resume_config(cfg)},
+        return pipe.save(ckpt, extra={**batches.state(), "history": history, "config": resume_config(cfg)},
                          keep=cfg["keep_checkpoints"])
 
     B = cfg["microbatches"] * cfg["microbatch_size"]  # rows per replica; every rank draws all dp x B of them
@@ -604,8 +618,7 @@ def train_worker(cfg: dict) -> dict:
             print(f"pipeoptim train: {_OVERSUBSCRIBED.format(here=_ranks_here(cfg), **cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
-    mine = lambda batch: replica_rows(batch, pipe.dp_rank, dp)  # noqa: E731  (this replica's rows)
-    val_batch = mine(corpus.batch("val", dp * B, cfg["seq_len"], torch.Generator().manual_seed(1234)))  # fixed
+    val_batch = batches.val(dp * B)  # fixed; this replica's rows
     if hf:
         val_batch = (val_batch[0], val_batch[0])
     t_run = time.perf_counter()
@@ -613,7 +626,7 @@ def train_worker(cfg: dict) -> dict:
     preempted = None  # the step after which every rank stopped on SIGTERM (a checkpoint of it is written below)
     with _stop_on_sigterm(pipe):
         for step in range(start, total_steps):
-            batch = mine(corpus.batch("train", dp * B, cfg["seq_len"], gen))  # one generator state on every rank
+            batch = batches.train(dp * B)  # this replica's rows of the global batch
             if hf:  # Hugging Face's loss takes the input ids as labels and shifts them itself
                 batch = (batch[0], batch[0])
             t0 = time.perf_counter()
@@ -731,6 +744,7 @@ def resume_config(cfg: dict) -> dict:
     out["update_every"] = cfg.get("update_every")
     out["updates_per_window"] = _updates_per_window(cfg)
     out["delay"] = _delay_hparams(cfg)
+    out["data"] = cfg.get("prepared")  # a prepare-data folder: what its tokens are (None: plain text)
     return out
 
 
@@ -753,6 +767,7 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
     if saved:
         mine = resume_config(cfg)
         _refuse_changed(directory, saved, mine)
+        _refuse_changed_data(directory, saved, mine)
         before = saved.get("delay", _delay_hparams({}))
         if before != mine["delay"]:
             flags = lambda d: f"--delay-lr {d['lr']} --delay-momentum {d['momentum']} --delay-warmup {d['warmup']}"  # noqa: E731
@@ -773,6 +788,57 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
         print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
               file=sys.stderr)
     return directory, step, extra
+
+
+def _prepared_config(args, manifest: dict) -> dict:
+    """The run's entries for a prepare-data folder: the vocabulary of its tokens and what a checkpoint records
+    of them; ConfigError when --model or --tokenizer cannot read those tokens."""
+    from .data import DataError
+    from .runtime.plan import ConfigError
+    from .token_shards import BYTES, data_sha256, tokenizer_sha256
+    tok = manifest["tokenizer"]
+    if tok["name"] == BYTES and args.tokenizer:
+        raise ConfigError(f"--data {args.data} holds bytes (prepared without --tokenizer): drop --tokenizer, or "
+                          f"prepare the text again with pipeoptim prepare-data --tokenizer {args.tokenizer}")
+    if tok["name"] != BYTES and not args.model.startswith("hf-"):
+        raise ConfigError(f"--data {args.data} holds token ids of the tokenizer {tok['name']} (vocabulary "
+                          f"{tok['vocab_size']}); --model {args.model} reads bytes: use --model hf-gpt2 or hf-llama, "
+                          "or prepare the text without --tokenizer")
+    if tok["name"] != BYTES and args.tokenizer:
+        try:
+            given = tokenizer_sha256(args.tokenizer)
+        except (DataError, OSError) as e:
+            raise ConfigError(f"--tokenizer: {e}") from None
+        if given != tok["sha256"]:
+            raise ConfigError(f"--data {args.data} was prepared with the tokenizer {tok['name']} (files sha256 "
+                              f"{tok['sha256'][:12]}), and --tokenizer {args.tokenizer} is another (sha256 "
+                              f"{given[:12]}): drop --tokenizer (the folder needs none), or prepare the text again "
+                              "with this one")
+    return {"vocab_size": int(tok["vocab_size"]),
+            "prepared": {"data_sha256": data_sha256(manifest), "tokenizer": tok["name"],
+                         "tokenizer_sha256": tok["sha256"], "path": os.path.abspath(args.data)}}
+
+
+def _refuse_changed_data(directory: str, saved: dict, mine: dict) -> None:
+    """ConfigError naming what changed when the checkpoint was trained on a prepare-data folder and this run's
+    --data holds other tokens (another tokenizer, or other text): the batches would not continue its order."""
+    from .runtime.plan import ConfigError
+    before, now = saved.get("data"), mine.get("data")
+    same = lambda a, b: a["data_sha256"] == b["data_sha256"]  # noqa: E731  (tokenizer, dtype, every shard's hash)
+    if not before or (now and same(before, now)):
+        return
+    fix = (f"Resume with --data {before['path']} (or a copy of it), or start a new run in another --run-dir")
+    if not now:
+        raise ConfigError(f"{directory} was trained on the prepared data {before['path']} and this run's --data is "
+                          f"plain text: the batches would not continue its order. {fix}")
+    if (before["tokenizer"], before["tokenizer_sha256"]) != (now["tokenizer"], now["tokenizer_sha256"]):
+        what = (f"the tokenizer changed: {before['tokenizer']} (files sha256 {str(before['tokenizer_sha256'])[:12]}) "
+                f"then, {now['tokenizer']} ({str(now['tokenizer_sha256'])[:12]}) now")
+    else:
+        what = (f"its tokens changed (same tokenizer, other text: data sha256 {before['data_sha256'][:12]} then, "
+                f"{now['data_sha256'][:12]} now)")
+    raise ConfigError(f"{directory} was trained on the prepared data {before['path']}, and in --data {now['path']} "
+                      f"{what}. {fix}")
 
 
 def _refuse_changed(directory: str, saved: dict, mine: dict) -> None:

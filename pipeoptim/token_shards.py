@@ -135,6 +135,7 @@ class TokenShards:
     of a split (its shards one after the other) with ``os.pread``; files open on the first read."""
 
     def __init__(self, folder: str | os.PathLike):
+        self._fds: dict[str, int] = {}
         self.folder = str(folder)
         self.manifest = read_manifest(folder)
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
@@ -142,7 +143,6 @@ class TokenShards:
         self.data_sha256 = data_sha256(self.manifest)
         self._shards = {s: [sh for sh in self.manifest["splits"][s]["shards"] if sh["tokens"]] for s in SPLITS}
         self._starts = {s: np.cumsum([0] + [sh["tokens"] for sh in self._shards[s]]).tolist() for s in SPLITS}
-        self._fds: dict[str, int] = {}
 
     def tokens(self, split: str) -> int:
         return self._starts[split][-1]
