@@ -62,6 +62,8 @@ _DO_NOT_FIT = "its weights and optimizer state do not fit"
 RESUME_MUST_MATCH = {
     "model": _DO_NOT_FIT, "optimizer": _DO_NOT_FIT, "precision": _DO_NOT_FIT,
     "tokenizer": "its embedding rows are that tokenizer's token ids",
+    "hf_config": _DO_NOT_FIT, "hf_set": _DO_NOT_FIT,
+    "hf_model": "the model that --hf-config builds has changed (its config.json was edited?), so " + _DO_NOT_FIT,
     "seed": "a resumed run continues the checkpoint's random state (the data order), so another seed would "
             "change nothing",
 }
@@ -72,6 +74,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", choices=SIZES, default="small",
                    help="tiny, small (0.2M params), medium: the project's GPT; hf-gpt2, hf-llama: Hugging "
                         "Face models of the small size from configs (needs pip install 'pipeoptim[hf]')")
+    p.add_argument("--hf-config", default=None, metavar="PATH_OR_NAME",
+                   help="train your own Hugging Face causal LM instead of --model: a config.json, a folder holding "
+                        "one, or a model name in the local Hugging Face cache (nothing is downloaded; a model_type "
+                        "that needs its own code is refused, never run). Random init on the meta device, each rank "
+                        "building only its stages; bytes (vocabulary 256) unless --tokenizer")
+    p.add_argument("--hf-set", action="append", default=None, metavar="KEY=VALUE",
+                   help="--hf-config: change one config entry (repeatable), e.g. --hf-set num_hidden_layers=4 "
+                        "--hf-set hidden_size=128 --hf-set vocab_size=512; a key the config lacks or a value of the "
+                        "wrong type is refused, naming it")
     p.add_argument("--data", default=None, metavar="PATH",
                    help="train on this text file, or on every text file under this folder, byte by byte (or "
                         "through --tokenizer); the last 5%% of every file is held out for validation (default: "
@@ -330,7 +341,8 @@ def _config(args) -> dict:
     from .runtime.config import check_policy, make_schedule
     from .runtime.plan import Plan
     apply_recipe(args)
-    d, h, L, T = SIZES[args.model]
+    hf_spec = _hf_spec(args) if getattr(args, "hf_config", None) else None
+    d, h, L, T = SIZES[args.model] if hf_spec is None else _hf_sizes(hf_spec)
     # fails here, before any process starts
     sched = make_schedule(args.schedule, args.stages, args.microbatches, **_schedule_params(vars(args)))
     policy = check_policy(sched, args.policy)
@@ -404,6 +416,11 @@ def _config(args) -> dict:
     cfg["emulation"] = emulation_words(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
+    if hf_spec is not None:
+        cfg["hf_spec"] = _hf_spec(args, cfg["vocab_size"]) if cfg["vocab_size"] != VOCAB_SIZE else hf_spec
+        cfg["hf_model"] = f"{hf_spec['model_type']} (config sha256 {cfg['hf_spec']['sha256'][:16]})"
+        for note in cfg["hf_spec"]["notes"]:
+            print(f"pipeoptim train: --hf-config: {note}", file=sys.stderr)
     return cfg
 
 
@@ -740,7 +757,7 @@ def _changed_clip(saved: dict, cfg: dict) -> list[str]:
 
 def resume_config(cfg: dict) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
-    out = {k: cfg[k] for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
+    out = {k: cfg.get(k) for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
     out["update_every"] = cfg.get("update_every")
     out["updates_per_window"] = _updates_per_window(cfg)
     out["delay"] = _delay_hparams(cfg)
@@ -847,6 +864,7 @@ def _refuse_changed(directory: str, saved: dict, mine: dict) -> None:
     from .runtime.plan import ConfigError
 
     def flag(key, value):
+        key = key.replace("_", "-")
         return f"no --{key}" if value is None else f"--{key} {value}"
     for key, why in RESUME_MUST_MATCH.items():
         if key in saved and saved[key] != mine[key]:
@@ -882,6 +900,28 @@ def _run_dir_lock(run_dir: str):
         f.close()
 
 
+def _hf_spec(args, vocab_size: int | None = None) -> dict:
+    """--hf-config and --hf-set as the model a run builds (models.hf_config.resolve), or a ConfigError; sets
+    args.model to hf-<model_type> (what the rest of the run and a resume see)."""
+    from .runtime.plan import ConfigError
+    if args.model in SIZES and args.model != "small":
+        raise ConfigError(f"--hf-config {args.hf_config} is the model; drop --model {args.model}")
+    try:
+        from .models.hf import require_transformers
+        require_transformers()
+        from .models.hf_config import HFConfigError, resolve
+        spec = resolve(args.hf_config, args.hf_set, vocab_size)
+    except (ImportError, HFConfigError) as e:
+        raise ConfigError(str(e)) from None
+    args.model = f"hf-{spec['model_type']}"
+    return spec
+
+
+def _hf_sizes(spec: dict) -> tuple:
+    """(d_model, n_heads, n_layers, seq_len) of an --hf-config model: windows of 64 tokens, or its positions."""
+    return spec["hidden"], spec["heads"], spec["layers"], min(64, spec["max_positions"] or 64)
+
+
 def _hf_model(cfg: dict) -> dict:
     """Pipeline arguments for a Hugging Face model of the configured size, built on meta (no memory: each rank
     materialises its own stages from the seed)."""
@@ -889,11 +929,15 @@ def _hf_model(cfg: dict) -> dict:
 
     from .models.hf import byte_level_config, causal_lm_layers
     from .runtime.config import make_schedule
-    config, cls = byte_level_config(cfg["model"].removeprefix("hf-"), d_model=cfg["d_model"],
-                                    n_heads=cfg["n_heads"], n_layers=cfg["n_layers"], seq_len=cfg["seq_len"])
-    config.vocab_size = cfg["vocab_size"]  # the tokenizer's (--tokenizer), else 256 bytes
-    with torch.device("meta"):
-        model = cls(config)
+    if cfg.get("hf_spec"):  # --hf-config: the user's model, checked by _config
+        from .models.hf_config import build
+        model = build(cfg["hf_spec"])
+    else:
+        config, cls = byte_level_config(cfg["model"].removeprefix("hf-"), d_model=cfg["d_model"],
+                                        n_heads=cfg["n_heads"], n_layers=cfg["n_layers"], seq_len=cfg["seq_len"])
+        config.vocab_size = cfg["vocab_size"]  # the tokenizer's (--tokenizer), else 256 bytes
+        with torch.device("meta"):
+            model = cls(config)
     cut = causal_lm_layers(model)
     synchronous = make_schedule(cfg["schedule"], cfg["stages"], cfg["microbatches"]).synchronous
     return dict(layers=cut.layers, loss_fn=cut.loss_fn, init_fn=cut.init_fn,
