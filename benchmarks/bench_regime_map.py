@@ -170,7 +170,8 @@ def latency_sweep(wl, rows, costs, memory, devices: int = 16) -> list[dict]:
 
 def crossings(sweep: list[dict]) -> dict:
     """Per bandwidth: the latency (log-interpolated between swept points) above which the best asynchronous
-    method reaches 2.5 sooner than the best synchronous one; None if it never does in the sweep."""
+    method reaches 2.5 sooner than the best synchronous one at every larger swept latency (0.0: at every swept
+    latency; None: not at the largest), and the swept latencies where asynchronous is first."""
     out = {}
     for bw in SWEEP_BANDWIDTHS:
         ratio = []
@@ -179,14 +180,16 @@ def crossings(sweep: list[dict]) -> dict:
             s = min(r["time_to_target_s"] for r in at if not r["asynchronous"])
             a = min(r["time_to_target_s"] for r in at if r["asynchronous"])
             ratio.append((latency, math.log(s / a)))    # > 0: asynchronous first
-        out[bw] = None
-        for (l0, r0), (l1, r1) in zip(ratio, ratio[1:]):
-            if r0 <= 0 < r1:
-                f = -r0 / (r1 - r0)
-                out[bw] = math.exp(math.log(l0) + f * (math.log(l1) - math.log(l0)))
-                break
-        if out[bw] is None and ratio and ratio[0][1] > 0:
-            out[bw] = 0.0   # asynchronous first at every swept latency
+        first = [latency for latency, r in ratio if r > 0]
+        above = None
+        if ratio and ratio[-1][1] > 0:
+            above = 0.0
+            for (l0, r0), (l1, r1) in reversed(list(zip(ratio, ratio[1:]))):
+                if r0 <= 0:
+                    f = -r0 / (r1 - r0)
+                    above = math.exp(math.log(l0) + f * (math.log(l1) - math.log(l0)))
+                    break
+        out[bw] = {"above": above, "async_first_at": first}
     return out
 
 
@@ -280,9 +283,11 @@ def main(argv=None) -> int:
         print(f"| {w['profile']} | {w['uneven']} | {w['devices']} | {w['first']} | {w['best_sync']} "
               f"{w['best_sync_s']:.2f} | {w['best_async']} {w['best_async_s']:.2f} | {w['sync_over_async']:.2f}x | "
               f"{w['async_memory_over_gpipe']:.1f}x |")
-    for bw, latency in crossings(sweep).items() if sweep else ():
-        where = "never within the sweep" if latency is None else f"{latency * 1e3:.3g} ms"
-        print(f"asynchronous first above a per-hop latency of: {where} (D = 16, even devices, {bw})")
+    for bw, c in crossings(sweep).items() if sweep else ():
+        where = ("not at the largest swept latency" if c["above"] is None else "every swept latency"
+                 if c["above"] == 0.0 else f"{c['above'] * 1e3:.3g} ms")
+        print(f"D = 16, even devices, {bw}: asynchronous first at every latency above {where}; first at "
+              f"{', '.join(f'{x * 1e3:g} ms' for x in c['async_first_at']) or 'no swept latency'}")
     return 0
 
 

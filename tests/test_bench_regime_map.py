@@ -61,5 +61,17 @@ def test_crossing_latency_is_interpolated_in_log_latency():
             a = 4.0 * (latency / lat[0]) ** -math.log10(2) if bw == "10Gbit/s" else 2.0
             sweep.append({"bandwidth": bw, "latency_s": latency, "asynchronous": True, "time_to_target_s": a})
     got = rm.crossings(sweep)
-    assert got["100Mbit/s"] is None                                   # never first
-    assert got["10Gbit/s"] == pytest.approx(lat[0] * 100, rel=0.01)     # where the two are equal
+    assert got["100Mbit/s"] == {"above": None, "async_first_at": []}                  # never first
+    assert got["10Gbit/s"]["above"] == pytest.approx(lat[0] * 100, rel=0.01)          # where the two are equal
+    first = got["10Gbit/s"]["async_first_at"]          # (at 1e-4 the two are equal up to rounding)
+    assert [x for x in first if x != lat[2]] == [x for x in lat if x > lat[2]]
+
+
+def test_the_crossing_is_where_asynchronous_stays_first():
+    lat = rm.SWEEP_LATENCIES
+    sign = [1, 1, -1, -1, -1, 1, 1, 1, 1]            # first at the smallest latencies, then behind, then first again
+    sweep = [row for bw in rm.SWEEP_BANDWIDTHS for latency, s in zip(lat, sign) for row in (
+        {"bandwidth": bw, "latency_s": latency, "asynchronous": False, "time_to_target_s": 1.0},
+        {"bandwidth": bw, "latency_s": latency, "asynchronous": True, "time_to_target_s": 2.0 ** -s})]
+    got = rm.crossings(sweep)["10Gbit/s"]
+    assert lat[4] < got["above"] < lat[5] and got["async_first_at"] == [lat[i] for i in (0, 1, 5, 6, 7, 8)]
