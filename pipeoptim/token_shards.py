@@ -156,13 +156,18 @@ class TokenShards:
         starts, shards = self._starts[split], self._shards[split]
         if start < 0 or start + length > starts[-1]:
             raise IndexError(f"tokens {start}..{start + length - 1} are outside the {split} split's {starts[-1]}")
-        parts, i, at = [], bisect.bisect_right(starts, start) - 1, start
-        while len(parts) == 0 or at < start + length:
+        i = bisect.bisect_right(starts, start) - 1
+        size = self.dtype.itemsize
+        if start + length <= starts[i + 1]:  # within one shard: one read
+            return np.frombuffer(os.pread(self._fd(shards[i]["file"]), length * size, (start - starts[i]) * size),
+                                 dtype=self.dtype)
+        parts, at = [], start
+        while at < start + length:
             n = min(start + length, starts[i + 1]) - at
-            raw = os.pread(self._fd(shards[i]["file"]), n * self.dtype.itemsize, (at - starts[i]) * self.dtype.itemsize)
-            parts.append(np.frombuffer(raw, dtype=self.dtype))
+            parts.append(np.frombuffer(os.pread(self._fd(shards[i]["file"]), n * size, (at - starts[i]) * size),
+                                       dtype=self.dtype))
             at, i = at + n, i + 1
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return np.concatenate(parts)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -27,8 +27,8 @@ if [ "$packages" -eq 1 ]; then
         | { grep -v '^Requirement already satisfied' || true; }  # (pip's own failure still stops the script)
     # optional extras (pipeoptim[hf], pipeoptim[vision]): Hugging Face and torchvision models; their tests skip
     # without them, and CI installs them so they run. torchvision must match torch (0.29.1 <-> 2.14.1).
-    step "installing the optional extras transformers 5.24.0 and torchvision 0.29.1 (about 0.1 GB)"
-    "${PIP[@]}" --quiet "transformers==5.24.0" "torchvision==0.29.1"
+    step "installing the optional extras transformers 5.24.0, torchvision 0.29.1, pyarrow 26.0.1 and datasets 5.2.0 (about 0.2 GB)"
+    "${PIP[@]}" --quiet "transformers==5.24.0" "torchvision==0.29.1" "pyarrow==26.0.1" "datasets==5.2.0"
     # the documentation site (mkdocs.yml): tests/test_docs.py builds it with --strict
     step "installing the documentation tools mkdocs, mkdocs-material and mkdocstrings[python] (about 0.02 GB)"
     "${PIP[@]}" --quiet mkdocs mkdocs-material "mkdocstrings[python]"
