@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, metavar="PATH",
                    help="train on this text file, or on every text file under this folder, byte by byte (or "
                         "through --tokenizer); the last 5%% of every file is held out for validation (default: "
-                        "the Python standard library's source, every 20th file held out)")
+                        "the Python standard library's source, every 20th file held out); or a folder of pipeoptim "
+                        "prepare-data (a large corpus: tokenized once, read by index, opened only by the ranks "
+                        "of the first and last stage)")
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
                    help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
