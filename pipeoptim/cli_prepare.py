@@ -42,8 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "vocabulary 256)")
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="JSONL, Parquet and datasets sources: the field holding each record's text")
-    p.add_argument("--workers", type=_positive_int, default=_cores(),
-                   help="processes that tokenize (default: the cores this process may use)")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help="processes that tokenize (default: with --tokenizer the cores this process may use; without, "
+                        "1: bytes need no tokenizing, and more workers only add their start and the transfer, "
+                        "docs/guide/data.md)")
     p.add_argument("--shard-tokens", type=_positive_int, default=None, metavar="N",
                    help="tokens per shard file (default: 2^28, 512 MiB of uint16)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT, an earlier prepared folder")
@@ -54,9 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> int:
     from .data import DataError
     from .token_shards import DEFAULT_SHARD_TOKENS, prepare
+    workers = args.workers or (_cores() if args.tokenizer else 1)
     t0 = time.perf_counter()
     try:
-        m = prepare(args.source, args.out, args.tokenizer, text_field=args.text_field, workers=args.workers,
+        m = prepare(args.source, args.out, args.tokenizer, text_field=args.text_field, workers=workers,
                     overwrite=args.overwrite, progress=not args.no_progress,
                     shard_tokens=args.shard_tokens or DEFAULT_SHARD_TOKENS)
     except DataError as e:
@@ -68,7 +71,7 @@ def run(args) -> int:
     print(f"{args.out}: {tr['tokens']:,} training and {va['tokens']:,} held-out tokens of {m['tokenizer']['name']} "
           f"(vocabulary {m['tokenizer']['vocab_size']}, {m['dtype']}) in {len(tr['shards']) + len(va['shards'])} "
           f"shard(s), from {mb:,.3f} MB of {m['source']['kind']} in {wall:.1f} s ({mb / wall:,.2f} MB/s with "
-          f"{args.workers} worker(s)); train on it with pipeoptim train --data {args.out}")
+          f"{workers} worker(s)); train on it with pipeoptim train --data {args.out}")
     return 0
 
 

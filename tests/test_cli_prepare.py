@@ -12,8 +12,9 @@ from pipeoptim.cli import main
 def test_prepare_data_writes_a_folder_and_says_what_it_holds(tmp_path, capsys):
     src = tmp_path / "t.txt"
     src.write_text("print('hello')\n" * 500)
-    assert main(["prepare-data", str(src), str(tmp_path / "p"), "--workers", "1", "--no-progress"]) == 0
+    assert main(["prepare-data", str(src), str(tmp_path / "p"), "--no-progress"]) == 0
     out = capsys.readouterr().out
+    assert "with 1 worker(s)" in out, out  # bytes: one worker unless asked (more only add their start)
     assert "7,125 training and 375 held-out tokens of bytes (vocabulary 256, uint16)" in out, out
     assert f"pipeoptim train --data {tmp_path / 'p'}" in out
     manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
