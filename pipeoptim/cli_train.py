@@ -363,6 +363,14 @@ def _config(args) -> dict:
         from .runtime.plan import ConfigError
         raise ConfigError("--link and --straggler emulate a network and a slow device between the stage processes; "
                           "--emulate runs every stage in one process. Drop --emulate")
+    if args.link:
+        from .cli_torchrun import torchrun_env
+        here = torchrun_env()
+        if here is not None and here.local_world_size != here.world_size:
+            from .runtime.plan import ConfigError
+            raise ConfigError(f"--link emulates a network by comparing the ranks' wall clocks, which only one machine "
+                              f"shares, but torchrun runs {here.local_world_size} of the {here.world_size} ranks "
+                              "here: run the emulation on one node, or drop --link on a real network")
     if args.straggler:
         from .links import LinkSpecError, parse_straggler
         from .runtime.plan import ConfigError

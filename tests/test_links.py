@@ -100,3 +100,20 @@ def test_a_straggler_sleeps_factor_minus_one_times_its_op():
     t0 = time.perf_counter()
     worker._straggle(t0 - 10.0)            # an op of 10 s: no delay without a straggler
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_link_is_refused_across_machines_under_torchrun(monkeypatch):
+    from pipeoptim.cli import build_parser
+    from pipeoptim.cli_train import _config
+    from pipeoptim.runtime.plan import ConfigError
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.delenv("PIPEOPTIM_LAUNCHED", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    args = build_parser().parse_args(["train", "--model", "tiny", "--stages", "2", "--link", "internet"])
+    with pytest.raises(ConfigError, match="only one machine"):
+        _config(args)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # both ranks on this node: allowed
+    assert _config(args)["emulation"].startswith("emulated: link internet")
