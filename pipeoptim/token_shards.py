@@ -224,7 +224,7 @@ def _source_kind(src: Path) -> tuple[str, list[Path]]:
     if not src.exists():
         raise DataError(f"{src} does not exist")
     if src.is_dir() and (src / "dataset_dict.json").is_file():
-        splits = json.loads((src / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _json(src / "dataset_dict.json").get("splits", [])
         raise DataError(f"{src} is a Hugging Face DatasetDict ({', '.join(splits)}): give one split's folder, e.g. "
                         f"{src / (splits[0] if splits else 'train')}")
     if src.is_dir() and (src / "state.json").is_file():
@@ -243,15 +243,24 @@ def _source_kind(src: Path) -> tuple[str, list[Path]]:
     return "text", text_files(src)
 
 
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path} holds no JSON object")
+    return value
+
+
 def _arrow_files(folder: Path) -> list[Path]:
     try:
         import datasets  # noqa: F401  (the folder's format; its files are read with pyarrow, no code runs)
     except ImportError:
         raise DataError(f"{folder} is a Hugging Face datasets folder (save_to_disk); reading it needs the datasets "
                         "package: pip install datasets") from None
-    state = json.loads((folder / "state.json").read_text())
-    names = [f["filename"] for f in state.get("_data_files", [])]
-    if not names or any(os.path.basename(n) != n for n in names):
+    names = [f.get("filename") for f in _json(folder / "state.json").get("_data_files", [])]
+    if not names or any(not isinstance(n, str) or os.path.basename(n) != n for n in names):
         raise DataError(f"{folder / 'state.json'} lists no data files inside the folder: save it again with "
                         "save_to_disk")
     return [folder / n for n in names]

@@ -119,6 +119,10 @@ def test_parquet_and_a_datasets_folder_read_their_field(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": texts})}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"is a Hugging Face DatasetDict \(train\): give one split's folder"):
         ts.prepare(tmp_path / "dd", tmp_path / "x", progress=False)
+    (tmp_path / "ds" / "state.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"state.json cannot be read as JSON"):
+        ts.prepare(tmp_path / "ds", tmp_path / "x", text_field="content", progress=False)
+    assert not (tmp_path / "x").exists()
 
 
 def test_an_output_that_holds_something_is_refused_and_overwrite_replaces_only_a_prepared_folder(tmp_path):
