@@ -15,6 +15,7 @@ interleaved, BitPipe and ZBV; PipeDream-2BW, PipeOptim and stashing on async 1F1
 
     python benchmarks/bench_regime_map.py              # regime_map.csv, regime_latency_sweep.csv, the pictures
     python benchmarks/bench_regime_map.py --quick      # D = 4 only, free and internet: the test's form
+    python benchmarks/bench_regime_map.py --report     # tables and pictures from the CSVs (no simulation)
 
 Writes into --out (default benchmarks/results): regime_map.csv (one row per profile, devices, uneven, method),
 regime_latency_sweep.csv (D = 16, even devices, latency swept at two bandwidths), regime_map.png (heat map:
@@ -219,8 +220,8 @@ def plot(win: list[dict], sweep: list[dict], out: str) -> None:
                 ax.text(j, i, "not measured", ha="center", va="center", fontsize=7, color="0.4")
                 continue
             grid[i, j] = math.log2(w["sync_over_async"])
-            ax.text(j, i, f"{w['first']}\nsync/async {w['sync_over_async']:.2f}x", ha="center", va="center",
-                    fontsize=6.5)
+            ax.text(j, i, f"{w['first']}\nsync/async {w['sync_over_async']:.2f}x\n"
+                    f"async memory {w['async_memory_over_gpipe']:.1f}x GPipe's", ha="center", va="center", fontsize=6)
     lim = max(1.0, float(np.nanmax(np.abs(grid)))) if np.isfinite(grid).any() else 1.0
     im = ax.imshow(grid, cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
     ax.set_xticks(range(len(depths)), [f"D = {d}" for d in depths])
@@ -255,7 +256,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=btt.RESULTS, help="where to write (default benchmarks/results)")
     p.add_argument("--results", default=btt.RESULTS, help="where the study's CSVs are (default benchmarks/results)")
     p.add_argument("--quick", action="store_true", help="D = 4, free and internet only, no sweep (seconds)")
+    p.add_argument("--report", action="store_true",
+                   help="tables and pictures from the CSVs already in --out (no simulation)")
     args = p.parse_args(argv)
+    if args.report:
+        rows, sweep = read_back(args.out)
+        win = winners(rows)
+        plot(win, sweep, args.out)
+        print_report(win, sweep)
+        return 0
     wl = btt.WORKLOADS[WORKLOAD]
     runs = btt.read_runs(os.path.join(args.results, f"time_to_target_{wl.name}_runs.csv"))
     if not runs:
@@ -274,6 +283,36 @@ def main(argv=None) -> int:
     if sweep:
         write_csv(os.path.join(args.out, "regime_latency_sweep.csv"), sweep)
     plot(win, sweep, args.out)
+    print_report(win, sweep)
+    return 0
+
+
+def read_back(out: str) -> tuple[list[dict], list[dict]]:
+    """regime_map.csv and regime_latency_sweep.csv as ``regime_rows`` and ``latency_sweep`` return them."""
+    def number(v: str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    with open(os.path.join(out, "regime_map.csv"), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        r["devices"], r["uneven"] = int(r["devices"]), r["uneven"] == "True"
+        r["time_to_target_s"] = number(r["time_to_target_s"])
+        if r["peak_activation_bytes"]:
+            r["peak_activation_bytes"] = int(r["peak_activation_bytes"])
+    sweep = []
+    path = os.path.join(out, "regime_latency_sweep.csv")
+    if os.path.exists(path):
+        with open(path, newline="") as fh:
+            sweep = list(csv.DictReader(fh))
+        for r in sweep:
+            r["latency_s"], r["time_to_target_s"] = float(r["latency_s"]), float(r["time_to_target_s"])
+            r["asynchronous"] = r["asynchronous"] == "True"
+    return rows, sweep
+
+
+def print_report(win: list[dict], sweep: list[dict]) -> None:
     print("\n| link | uneven | D | first | best sync (s) | best async (s) | sync/async | async memory / GPipe's |")
     print("|---|---|---|---|---|---|---|---|")
     for w in win:
@@ -288,7 +327,6 @@ def main(argv=None) -> int:
                  if c["above"] == 0.0 else f"{c['above'] * 1e3:.3g} ms")
         print(f"D = 16, even devices, {bw}: asynchronous first at every latency above {where}; first at "
               f"{', '.join(f'{x * 1e3:g} ms' for x in c['async_first_at']) or 'no swept latency'}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -75,3 +75,20 @@ def test_the_crossing_is_where_asynchronous_stays_first():
         {"bandwidth": bw, "latency_s": latency, "asynchronous": True, "time_to_target_s": 2.0 ** -s})]
     got = rm.crossings(sweep)["10Gbit/s"]
     assert lat[4] < got["above"] < lat[5] and got["async_first_at"] == [lat[i] for i in (0, 1, 5, 6, 7, 8)]
+
+
+def test_the_committed_map_reads_back_to_its_winners():
+    import csv
+    rows, sweep = rm.read_back(btt.RESULTS)
+    with open(os.path.join(btt.RESULTS, "regime_winners.csv"), newline="") as fh:
+        committed = list(csv.DictReader(fh))
+    again = rm.winners(rows)
+    assert [w["first"] for w in again] == [c["first"] for c in committed]
+    for w, c in zip(again, committed):
+        if w["first"] != "not measured":
+            assert w["best_async_s"] == pytest.approx(float(c["best_async_s"]))
+    # D = 32 is never projected; the internet's winner is asynchronous, an NVLink node's synchronous
+    assert {w["first"] for w in again if w["devices"] == 32} == {"not measured"}
+    assert all(rm.is_async(w["first"]) for w in again if w["profile"] == "internet" and w["devices"] != 32)
+    assert not any(rm.is_async(w["first"]) for w in again if w["profile"] == "nvlink" and w["devices"] != 32)
+    assert rm.crossings(sweep)["10Gbit/s"]["above"] < rm.crossings(sweep)["100Mbit/s"]["above"]
