@@ -180,3 +180,18 @@ def test_windows_cross_shard_boundaries_and_the_sampler_depends_on_its_position_
     assert not np.array_equal(draws[0], ts.WindowSampler(seed=8).starts("train", 10_000, 8, 32))
     assert not np.array_equal(draws[0], a.starts("val", 10_000, 8, 32, position=0))
     assert ts.read_windows(data, "train", draws[0] % 1000, 16).shape == (8, 17)
+
+
+def test_a_tokenizer_folders_hash_covers_its_tokenizer_files_only(tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text('{"model": 1}')
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    first = ts.tokenizer_sha256(str(folder))
+    (folder / "model.safetensors").write_bytes(b"weights")  # not a tokenizer file
+    assert ts.tokenizer_sha256(str(folder)) == first
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    assert ts.tokenizer_sha256(str(folder)) != first
+    assert ts.tokenizer_sha256(str(folder / "tokenizer.json")) != first  # the file alone is another identity
+    with pytest.raises(DataError, match="holds none of the tokenizer files"):
+        ts.tokenizer_sha256(str(tmp_path))
