@@ -363,6 +363,10 @@ def _config(args) -> dict:
         from .runtime.plan import ConfigError
         raise ConfigError("--link and --straggler emulate a network and a slow device between the stage processes; "
                           "--emulate runs every stage in one process. Drop --emulate")
+    if args.link and args.device == "cuda":
+        from .runtime.plan import ConfigError
+        raise ConfigError("--link delays the CPU processes' messages (gloo); on GPUs the transfers are NCCL's own. "
+                          "Use --device cpu with --link")
     if args.link:
         from .cli_torchrun import torchrun_env
         here = torchrun_env()

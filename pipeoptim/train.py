@@ -192,6 +192,9 @@ class Pipeline:
         if watchdog_s is not None and not (isinstance(watchdog_s, (int, float)) and 0 < watchdog_s < math.inf):
             raise ConfigError(f"watchdog_s must be a positive number of seconds, got {watchdog_s!r}")
         dp = check_dp(dp, emulate)
+        if link is not None and device != "cpu":
+            raise ConfigError(f"link= delays the messages of CPU processes (gloo); on device={device!r} the transfers "
+                              "are NCCL's own. Use device='cpu' with link=")
         if emulate and (link is not None or straggler is not None):
             raise ConfigError("link= and straggler= emulate a network and a slow device between processes; "
                               "emulate=True runs every stage in one process. Drop emulate=True")

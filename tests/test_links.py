@@ -117,3 +117,27 @@ def test_link_is_refused_across_machines_under_torchrun(monkeypatch):
         _config(args)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # both ranks on this node: allowed
     assert _config(args)["emulation"].startswith("emulated: link internet")
+
+
+def test_link_is_refused_on_gpus_before_anything_starts():
+    from pipeoptim.cli import build_parser
+    from pipeoptim.cli_train import _config
+    from pipeoptim.runtime.plan import ConfigError
+
+    with pytest.raises(ConfigError, match="Use --device cpu with --link"):
+        _config(build_parser().parse_args(["train", "--model", "tiny", "--stages", "2", "--device", "cuda",
+                                           "--link", "internet"]))
+
+
+def test_pipeline_refuses_a_link_it_cannot_emulate():
+    import torch
+
+    from pipeoptim.runtime.plan import ConfigError
+    from pipeoptim.train import Pipeline
+
+    kw = dict(loss_fn=lambda y, t: ((y - t) ** 2).mean(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), devices=2)
+    layers = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    with pytest.raises(ConfigError, match="Use device='cpu' with link="):
+        Pipeline(layers, link=PROFILES["internet"], device="cuda", **kw)
+    with pytest.raises(ConfigError, match="Drop emulate=True"):
+        Pipeline(layers, emulate=True, straggler=(1, 2.0), **kw)
