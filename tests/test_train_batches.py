@@ -192,9 +192,16 @@ _RECORD_OPENS = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_only_the_ranks_of_the_first_and_last_stage_open_the_shards(tmp_path):
-    """4 stages as 4 processes: ranks 1 and 2 (the middle stages) never open a shard file."""
-    data = _prepare(tmp_path, "p", _text())
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "plain-text"])
+def test_only_the_ranks_of_the_first_and_last_stage_open_the_data(tmp_path, prepared):
+    """4 stages as 4 processes: ranks 1 and 2 (the middle stages) never open a shard file, nor the plain text
+    (which the launcher opens too, to check it)."""
+    if prepared:
+        data = _prepare(tmp_path, "p", _text())
+    else:
+        data = str(tmp_path / "plain.txt.bin")  # (the hook below records the files ending in .bin)
+        with open(data, "wb") as f:
+            f.write(_text())
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(_RECORD_OPENS)
     log = tmp_path / "opens.log"
@@ -206,4 +213,4 @@ def test_only_the_ranks_of_the_first_and_last_stage_open_the_shards(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr
     opened = {line.split()[0] for line in log.read_text().splitlines()}
-    assert opened == {"0", "3"}, log.read_text()
+    assert opened == ({"0", "3"} if prepared else {"launcher", "0", "3"}), log.read_text()
