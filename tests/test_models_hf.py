@@ -205,3 +205,51 @@ def test_byte_level_configs_build_dropout_free_models_of_the_asked_size():
         (transformers.LlamaForCausalLM, 3, 16, 64)
     with pytest.raises(ValueError, match="choose 'gpt2' or 'llama'"):
         byte_level_config("bert", d_model=16, n_heads=2, n_layers=3, seq_len=8)
+
+
+def test_layers_written_by_hand_need_only_public_helpers():
+    # issue 45: cutting GPT-NeoX by hand needed the private _HFInit; the hand-written layers, initialised by the
+    # public HFInit, are the automatic cut's to the bit (same seed per layer, same init order)
+    from pipeoptim.models.hf import HFInit, causal_lm_loss
+    config = transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=V,
+                                        num_attention_heads=4, max_position_embeddings=T)
+
+    class Embed(torch.nn.Module):
+        def __init__(self, embed_in):
+            super().__init__()
+            self.embed_in = embed_in
+
+        def forward(self, ids):
+            return self.embed_in(ids)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, block, rotary):
+            super().__init__()
+            self.block, self.rotary = block, copy.deepcopy(rotary)  # each layer its own rotary (buffers)
+
+        def forward(self, hidden):
+            positions = torch.arange(hidden.shape[1]).unsqueeze(0)
+            return self.block(hidden, attention_mask=None, position_ids=positions,
+                              position_embeddings=self.rotary(hidden, position_ids=positions))
+
+    class Head(torch.nn.Module):
+        def __init__(self, norm, out):
+            super().__init__()
+            self.final_layer_norm, self.lm_head = norm, out
+
+        def forward(self, hidden):
+            return self.lm_head(self.final_layer_norm(hidden))
+
+    def pipeline(layers, init_fn, loss_fn):
+        return Pipeline(layers, loss_fn=loss_fn, optimizer=mc.GradRecorder(), devices=2, schedule="1f1b",
+                        microbatches=2, emulate=True, init_fn=init_fn, seed=3)
+    with torch.device("meta"):
+        model = transformers.GPTNeoXForCausalLM(config)
+    m = model.gpt_neox
+    by_hand = [Embed(m.embed_in), *(Layer(b, m.rotary_emb) for b in m.layers), Head(m.final_layer_norm, model.lm_head)]
+    hand = pipeline(by_hand, HFInit(model), lambda logits, labels: causal_lm_loss(logits, labels, vocab_size=V))
+    with torch.device("meta"):
+        cut = causal_lm_layers(transformers.GPTNeoXForCausalLM(config))
+    auto = pipeline(cut.layers, cut.init_fn, cut.loss_fn)
+    x = batch(0)[0][0]
+    assert hand.train_step((x, x)) == auto.train_step((x, x))

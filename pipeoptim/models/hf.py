@@ -363,16 +363,17 @@ def _watch(a: _Anatomy, beside: dict[str, nn.Module]) -> None:
     (four token ids, nothing of the model's size is allocated) and place each module by when it ran: before the
     layers (the embedding stage), after them (the head), or between them (refused). A layer argument computed
     from the hidden states or from weights is refused too: a stage could not rebuild it."""
-    try:
-        _watch_once(a, beside, as_tuple=False)
-    except UnsupportedModel as plain:
-        if plain.__cause__ is None:
-            raise
+    with torch.device("cpu"):  # also when cut inside `with torch.device("meta")`: the watch runs for real
         try:
-            _watch_once(a, beside, as_tuple=True)  # a loop that takes layer(...)[0]
-        except UnsupportedModel:
-            raise plain from plain.__cause__
-        a.tuple_layers = True
+            _watch_once(a, beside, as_tuple=False)
+        except UnsupportedModel as plain:
+            if plain.__cause__ is None:
+                raise
+            try:
+                _watch_once(a, beside, as_tuple=True)  # a loop that takes layer(...)[0]
+            except UnsupportedModel:
+                raise plain from plain.__cause__
+            a.tuple_layers = True
 
 
 def _watch_once(a: _Anatomy, beside: dict[str, nn.Module], as_tuple: bool) -> None:
