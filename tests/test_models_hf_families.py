@@ -243,11 +243,11 @@ def test_the_support_matrix_page_is_what_the_families_give():
                                       "tests/test_models_hf_families.py -k page")
 
 
-@pytest.mark.parametrize("family", ["gemma2", "falcon"])
+@pytest.mark.parametrize("family", ["gemma2", "falcon", "bert"])
 def test_two_emulated_stages_give_the_unsplit_models_loss_and_gradients(family):
     model = _build(family)
     reference = copy.deepcopy(model)
-    cut = causal_lm_layers(model)
+    cut = (masked_lm_layers if family in ENCODERS else causal_lm_layers)(model)
     rec = mc.GradRecorder()
     pipe = Pipeline(cut.layers, loss_fn=cut.loss_fn, optimizer=rec, devices=2, schedule="1f1b", microbatches=2,
                     emulate=True, tied=cut.tied)
