@@ -90,7 +90,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "prepare-data (a large corpus: tokenized once, read by index, opened only by the ranks "
                         "of the first and last stage)")
     p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
-                   help="hf-gpt2/hf-llama only: tokenize the text with this local tokenizer (a tokenizer.json, "
+                   help="hf-gpt2/hf-llama/--hf-config only: tokenize the text with this local tokenizer (a "
+                        "tokenizer.json, "
                         "a folder saved with save_pretrained, or a name in the Hugging Face cache; nothing is "
                         "downloaded); the model's vocabulary takes its size (default: bytes, vocabulary 256)")
     p.add_argument("--stages", type=_positive_int, default=4,
@@ -343,6 +344,9 @@ def _config(args) -> dict:
     from .runtime.config import check_policy, make_schedule
     from .runtime.plan import Plan
     apply_recipe(args)
+    if getattr(args, "hf_set", None) and not getattr(args, "hf_config", None):
+        from .runtime.plan import ConfigError
+        raise ConfigError("--hf-set changes the config of --hf-config; give --hf-config PATH_OR_NAME too")
     hf_spec = _hf_spec(args) if getattr(args, "hf_config", None) else None
     d, h, L, T = SIZES[args.model] if hf_spec is None else _hf_sizes(hf_spec)
     # fails here, before any process starts

@@ -63,3 +63,8 @@ def test_a_config_that_needs_custom_code_is_refused_saying_so(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "brand_new", "auto_map": {"AutoConfig": "x.C"}}))
     assert main(["--hf-config", str(tmp_path), "--emulate", "--steps", "1", "--run-dir", str(tmp_path / "r")]) == 2
     assert "needs custom code" in capsys.readouterr().err
+
+
+def test_hf_set_without_hf_config_is_refused(tmp_path, capsys):
+    assert main(["--hf-set", "num_hidden_layers=2", "--emulate", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
+    assert "--hf-set changes the config of --hf-config; give --hf-config PATH_OR_NAME too" in capsys.readouterr().err
