@@ -191,7 +191,7 @@ def result(family: str) -> dict:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_cut_equals_the_model_or_refuses_by_name(family):
+def test_the_cut_equals_the_model_or_refuses_by_name(family, one_thread):
     r = result(family)
     if family in REFUSED:
         assert "refused" in r, f"{family} was expected to be refused and was cut"
@@ -234,7 +234,7 @@ def render_page(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_the_support_matrix_page_is_what_the_families_give():
+def test_the_support_matrix_page_is_what_the_families_give(one_thread):
     page = render_page([result(f) for f in FAMILIES])
     if os.environ.get("PIPEOPTIM_WRITE_DOCS"):
         PAGE.write_text(page)
@@ -244,7 +244,7 @@ def test_the_support_matrix_page_is_what_the_families_give():
 
 
 @pytest.mark.parametrize("family", ["gemma2", "falcon", "bert"])
-def test_two_emulated_stages_give_the_unsplit_models_loss_and_gradients(family):
+def test_two_emulated_stages_give_the_unsplit_models_loss_and_gradients(family, one_thread):
     model = _build(family)
     reference = copy.deepcopy(model)
     cut = (masked_lm_layers if family in ENCODERS else causal_lm_layers)(model)
