@@ -253,3 +253,16 @@ def test_layers_written_by_hand_need_only_public_helpers():
     auto = pipeline(cut.layers, cut.init_fn, cut.loss_fn)
     x = batch(0)[0][0]
     assert hand.train_step((x, x)) == auto.train_step((x, x))
+
+
+def test_an_encoder_is_not_cut_as_a_causal_lm_nor_the_other_way_round():
+    # issue 45: BERT got "causal_lm_layers does not know the layout"; now the masked LM has its own cut
+    from pipeoptim.models.hf import UnsupportedModel, masked_lm_layers
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(num_hidden_layers=2, hidden_size=32,
+                                                                intermediate_size=64, num_attention_heads=4,
+                                                                vocab_size=V))
+    with pytest.raises(UnsupportedModel, match="BertForMaskedLM is not a causal LM .* use masked_lm_layers"):
+        causal_lm_layers(bert)
+    assert len(masked_lm_layers(bert).layers) == 4
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM is a causal LM; use causal_lm_layers"):
+        masked_lm_layers(build("llama"))

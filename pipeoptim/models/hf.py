@@ -605,11 +605,26 @@ def causal_lm_layers(model: nn.Module) -> HFCut:
     see the module docstring. The layers hold the model's own modules (no copy), so a pipeline built from a real
     model trains that model in place. A model the cut cannot reproduce raises ``UnsupportedModel`` naming the
     feature and the layer, before anything runs."""
+    _check_kind(model, causal=True)
     return _cut(model, causal_lm_loss)
+
+
+def _check_kind(model: nn.Module, causal: bool) -> None:
+    """A causal LM is one that generates (transformers' GenerationMixin); the two losses are not interchangeable."""
+    from transformers import GenerationMixin
+    if not hasattr(model, "config"):
+        return  # _find says what it is not
+    name = type(model).__name__
+    if causal and not isinstance(model, GenerationMixin):
+        raise UnsupportedModel(f"{name} is not a causal LM (it does not generate), so the causal loss would be "
+                               "wrong for it; for a masked LM use masked_lm_layers(model)")
+    if not causal and isinstance(model, GenerationMixin):
+        raise UnsupportedModel(f"{name} is a causal LM; use causal_lm_layers(model)")
 
 
 def masked_lm_layers(model: nn.Module) -> HFCut:
     """Cut a Hugging Face masked-LM encoder (``BertForMaskedLM``, ``RobertaForMaskedLM``...) into pipeline layers,
     as ``causal_lm_layers`` does: the embeddings, each encoder layer (its bidirectional padding mask rebuilt by the
     model's own forward), the MLM head. Labels are the masked positions' ids, -100 elsewhere."""
+    _check_kind(model, causal=False)
     return _cut(model, masked_lm_loss)
