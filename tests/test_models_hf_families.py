@@ -262,3 +262,34 @@ def test_two_emulated_stages_give_the_unsplit_models_loss_and_gradients(family, 
     if cut.tied:  # the unsplit model has one tied weight: each copy got its whole gradient (tied= sums them)
         names[cut.tied[0][1]] = by_id[id(model.get_input_embeddings().weight)]
     mc.assert_grads_match(rec.by_name(pipe), want, names)
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "recurrent_gemma", "gemma2", "falcon-alibi", "bert"])
+def test_a_meta_built_cut_is_the_real_models_cut_initialised_alike(family, one_thread):
+    # what meta-building must rebuild: buffers a backbone holds itself (GPTBigCode's mask, RecurrentGemma's
+    # normalizer), rotary and embedding scales, wiped by to_empty and filled again by the model's _init_weights
+    cutter = masked_lm_layers if family in ENCODERS else causal_lm_layers
+    with torch.device("meta"):
+        meta_model = _build(family)
+    meta_cut = cutter(meta_model)
+    pipe = Pipeline(meta_cut.layers, loss_fn=meta_cut.loss_fn, optimizer=mc.GradRecorder(), devices=2,
+                    schedule="1f1b", microbatches=2, emulate=True, init_fn=meta_cut.init_fn, tied=meta_cut.tied,
+                    seed=7)
+    x, mask, labels = _batch(family)
+    loss = pipe.train_step(((x, mask), labels))
+    from pipeoptim.materialize import initialize
+    model = _build(family)
+    cut = cutter(model)
+    for i, layer in enumerate(cut.layers):
+        initialize(layer, str(i), 7, cut.init_fn)
+    if cut.tied:  # the head's copy starts as the embedding, as the pipeline's does
+        with torch.no_grad():
+            dict(cut.layers[-1].named_parameters())[cut.tied[0][1].split(".", 1)[1]].copy_(
+                dict(cut.layers[0].named_parameters())[cut.tied[0][0].split(".", 1)[1]])
+    losses = []
+    for i in range(2):
+        out = (x[i:i + 1], mask[i:i + 1])
+        for layer in cut.layers:
+            out = layer(*out) if isinstance(out, tuple) else layer(out)
+        losses.append(cut.loss_fn(out, labels[i:i + 1]).item())
+    assert loss == pytest.approx(sum(losses) / 2, rel=1e-6)

@@ -136,7 +136,7 @@ class HFInit:
 
     def __call__(self, layer: nn.Module) -> None:
         for m in _post_order(layer):
-            self.model._init_weights(m)
+            self.model._init_weights(m.__dict__.get("owner_view", m))  # _OwnBuffers: as the module they belong to
 
 
 _HFInit = HFInit  # the name before it was public
@@ -229,6 +229,21 @@ def _backbone_output_class():
     return BackboneOutput
 
 
+class _OwnBuffers(nn.Module):
+    """A stage's copy of the buffers a backbone module holds itself, not in a submodule (GPTBigCode's causal
+    mask, RecurrentGemma's normalizer): the stage's view of that module reads them from here, so they move and
+    materialise with the stage. ``HFInit`` fills them with the model's ``_init_weights`` of that module."""
+
+    def __init__(self, owner: nn.Module):
+        super().__init__()
+        for n, b in owner.named_buffers(recurse=False):
+            self.register_buffer(n, torch.empty_like(b, device="meta") if b.is_meta else b.detach().clone(),
+                                 persistent=False)
+        view = _view(owner, {})
+        view._modules, view._buffers = {}, self._buffers  # the same dict: to_empty's new tensors show in the view
+        self.__dict__["owner_view"] = view
+
+
 def _view(module: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``module`` whose children named in ``children`` are replaced (the module is untouched)."""
     out = copy.copy(module)
@@ -253,6 +268,7 @@ class _Anatomy:
     first: dict[str, nn.Module] = field(default_factory=dict)   # run before layer 0: the embedding stage's
     last: dict[str, nn.Module] = field(default_factory=dict)    # run after the last layer, in order: the head's
     buffers: dict[str, nn.Module] = field(default_factory=dict)  # weightless with buffers (rotary): one copy a stage
+    own_buffers: list[str] = field(default_factory=list)  # backbone modules holding buffers themselves
 
     @property
     def list_place(self) -> str:
@@ -297,7 +313,7 @@ def _find(model: nn.Module) -> tuple[_Anatomy, dict[str, nn.Module]]:
         raise UnsupportedModel(f"{name}: the layers ({list_path}) are not inside the base model ({prefix}); write "
                                "its layers by hand")
     out = model.get_output_embeddings()
-    head_place, beside = None, {}
+    head_place, beside, own_buffers = None, {}, []
     for depth in range(len(path) + 1):
         owner_path = path[:depth]
         below = path[depth] if depth < len(path) else layers_name
@@ -312,10 +328,20 @@ def _find(model: nn.Module) -> tuple[_Anatomy, dict[str, nn.Module]]:
                                            "base model and the output head; the cut does not know when it runs")
                 continue
             beside[".".join([*owner_path, child_name])] = child
+        owner = model.get_submodule(".".join(owner_path))
+        direct = [n for n, _ in owner.named_parameters(recurse=False)]
+        if depth == 0:
+            direct += [n for n, _ in owner.named_buffers(recurse=False)]
+        elif any(True for _ in owner.buffers(recurse=False)):
+            own_buffers.append(".".join(owner_path))
+        if direct:
+            where = ".".join([*owner_path, direct[0]]) or direct[0]
+            raise UnsupportedModel(f"{name}: {where} is a tensor of {type(owner).__name__} itself, outside its "
+                                   "submodules; the cut places whole modules in stages, so it cannot place it")
     if head_place is None:
         raise UnsupportedModel(f"{name} has no output head beside its base model (get_output_embeddings() is "
                                f"{type(out).__name__}); pass the *ForCausalLM / *LMHeadModel / *ForMaskedLM class")
-    return _Anatomy(model, text, path, layers_name, list(blocks), entry, head_place), beside
+    return _Anatomy(model, text, path, layers_name, list(blocks), entry, head_place, own_buffers=own_buffers), beside
 
 
 class _Watch(nn.Module):
@@ -400,7 +426,15 @@ def _watch_once(a: _Anatomy, beside: dict[str, nn.Module], as_tuple: bool) -> No
             hooked._forward_hooks, hooked._forward_pre_hooks = OrderedDict(), OrderedDict()
             hooked.register_forward_pre_hook(lambda mod, args, place=place: log.append(place))
             replace[place] = hooked
-    view = _rebuild(a, replace)
+    holders = {}
+    for place in a.own_buffers:
+        holder = _OwnBuffers(a.model.get_submodule(place))
+        if any(t.is_meta or t.device.type != "cpu" for t in holder.buffers()):
+            holder.to_empty(device="cpu")
+            with torch.no_grad():
+                init(holder)
+        holders[place] = holder
+    view = _rebuild(a, replace, holders)
     view.train(False)
     ids = torch.zeros(1, 4, dtype=torch.long)
     try:
@@ -441,8 +475,9 @@ def _watch_once(a: _Anatomy, beside: dict[str, nn.Module], as_tuple: bool) -> No
                                        "layer; the cut cannot rebuild it in the layer's stage, so it refuses")
 
 
-def _rebuild(a: _Anatomy, replace: dict[str, nn.Module]) -> nn.Module:
-    """A view of the base model: the modules named in ``replace`` replaced, the path down to the layers copied."""
+def _rebuild(a: _Anatomy, replace: dict[str, nn.Module], holders: dict[str, _OwnBuffers] | None = None) -> nn.Module:
+    """A view of the base model: the modules named in ``replace`` replaced, the path down to the layers copied,
+    the buffers of a path module itself read from ``holders`` (by the module's place)."""
     def rebuild(prefix: list[str]) -> nn.Module:
         module = a.model.get_submodule(".".join(prefix))
         children = {}
@@ -452,7 +487,10 @@ def _rebuild(a: _Anatomy, replace: dict[str, nn.Module]) -> nn.Module:
                 children[child_name] = replace[place]
             elif [*prefix, child_name] == a.path[:len(prefix) + 1]:
                 children[child_name] = rebuild([*prefix, child_name])
-        return _view(module, children)
+        out = _view(module, children)
+        if holders and ".".join(prefix) in holders:
+            out._buffers = holders[".".join(prefix)]._buffers
+        return out
     return rebuild(a.entry)
 
 
@@ -490,11 +528,14 @@ class _Stage(nn.Module):
         replace: dict[str, nn.Module] = {a.list_place: standins, **copies}
         for place, m in {**a.first, **a.last}.items():
             replace[place] = own.get(place, _Elsewhere() if _has_weights(m) else nn.Identity())
+        holders = {place: _OwnBuffers(a.model.get_submodule(place)) for place in a.own_buffers}
         for place, m in {**own, **copies}.items():
             self.add_module(_attribute(self, place), m)
+        for place, m in holders.items():
+            self.add_module(_attribute(self, place + ".buffers"), m)
         for s in standins:
             s.stop_at, s.as_tuple = stop_at, a.tuple_layers
-        self.__dict__["_view"] = _rebuild(a, replace)
+        self.__dict__["_view"] = _rebuild(a, replace, holders)
 
     def train(self, mode: bool = True):
         super().train(mode)
