@@ -93,6 +93,8 @@ class Emulator:
                         local_norm = workers[d].chunk_norm(a.chunk)
                         coef = min(1.0, clip_norm / (local_norm + 1e-6))
                         finite = math.isfinite(local_norm)
+                        if finite and not local_norm <= grad_norm:  # the largest per-stage norm (NaN: none yet)
+                            grad_norm = local_norm
                     workers[d].step(index, a, coef, finite)
             except PipelineError:
                 raise

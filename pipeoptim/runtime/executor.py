@@ -138,6 +138,7 @@ class Executor:
         grad_norm = float("nan")
         totals = None  # summed over the ranks: [loss sum, losses, busy, wall, skipped updates, stop requests]
         norm_reduced = False
+        largest = -1.0  # asynchronous: the largest finite per-stage gradient norm of this rank's updates (-1: none)
         action = None
         self._dp_done: set[int] = set()
         doing = self._doing
@@ -202,13 +203,17 @@ class Executor:
                         local = w.chunk_norm(action.chunk)
                         coef = min(1.0, clip_norm / (local + 1e-6))
                         finite = math.isfinite(local)
+                        if finite and local > largest:
+                            largest = local
                     w.step(i, action, coef, finite)
             action = None
             self.p2p.finish()
             w.end()
             if totals is None:  # asynchronous, or a forward-only plan
                 doing("the end-of-iteration sum of the loss over the ranks", COLLECTIVE)
-                _, totals = self._reduce_scalars(plan, t0, with_norm=False)
+                _, totals = self._reduce_scalars(plan, t0, with_norm=False, largest=largest)
+                if (biggest := max(totals[6:])) >= 0:
+                    grad_norm = biggest
         except PipelineError:
             raise
         except Exception as e:
@@ -223,7 +228,7 @@ class Executor:
                 self.watch.idle()
         if self.watch is not None:
             self.watch.measured(time.perf_counter() - t0)
-        loss_sum, count, busy, wall, skipped, stops = totals
+        loss_sum, count, busy, wall, skipped, stops = totals[:6]
         if norm_reduced and not math.isfinite(grad_norm):
             skipped = plan.num_steps  # every Step of the pipeline was skipped, on every rank
         D = plan.num_devices * self.dp_size
@@ -232,16 +237,23 @@ class Executor:
                 "nonfinite": round(skipped / (1 if synchronous else self.dp_size)),  # replicas skip the same
                 "stop": stops > 0}
 
-    def _reduce_scalars(self, plan: Plan, t0: float, *, with_norm: bool) -> tuple[float, list[float]]:
+    def _reduce_scalars(self, plan: Plan, t0: float, *, with_norm: bool,
+                        largest: float | None = None) -> tuple[float, list[float]]:
         """Sum, in one reduction over every rank of every data-parallel copy (``scalars.RankSum``: the same total
         on every rank), this rank's share of the squared global gradient norm (``with_norm``; replica 0's ranks
         only: the replicas' averaged gradients are the same), its losses' sum and count, its busy and wall time
-        so far, its skipped updates and whether it was asked to stop. Returns (squared norm, the other sums)."""
+        so far, its skipped updates and whether it was asked to stop; and, given ``largest`` (an asynchronous
+        iteration's largest per-stage norm here), one entry per rank holding each rank's (its own entry is its
+        value, the others' 0: the sum is every rank's). Returns (squared norm, the other sums)."""
         w = self.worker
         sq = float(w.sq_norm()) if with_norm and self.dp_rank == 0 else 0.0
         loss_sum = sum(torch.stack(list(w.losses.values())).double().tolist()) if w.losses else 0.0  # one copy
+        per_rank = []
+        if largest is not None:
+            per_rank = [0.0] * self.groups.scalars.world
+            per_rank[self.groups.scalars.rank] = largest
         values = self.groups.scalars([sq, loss_sum, len(w.losses), w.busy, time.perf_counter() - t0,
-                                      len(w.nonfinite), float(self.stop_requested)])  # (Groups checked: every rank)
+                                      len(w.nonfinite), float(self.stop_requested), *per_rank])  # (every rank)
         return values[0], values[1:]
 
     def _sum_ties(self) -> None:
