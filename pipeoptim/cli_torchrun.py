@@ -147,11 +147,15 @@ def run_rank(args) -> int:
             t0 = time.perf_counter()
             result = ct.train_worker(cfg)
     except KeyboardInterrupt:
+        if tr.rank == 0:
+            ct._outputs_on_the_way_out(args.run_dir, cfg)
         return 130
     except PipelineError as e:
         print(f"pipeoptim train: rank {tr.rank} failed: {e}", file=sys.stderr)
-        if tr.rank == 0 and (line := ct._newest_checkpoint(ckpt_root, str(e))):
-            print(f"pipeoptim train: {line}", file=sys.stderr)
+        if tr.rank == 0:
+            ct._outputs_on_the_way_out(args.run_dir, cfg)
+            if line := ct._newest_checkpoint(ckpt_root, str(e)):
+                print(f"pipeoptim train: {line}", file=sys.stderr)
         return 1
     if tr.rank != 0:  # rank 0 speaks for the job; every rank holds the same losses (and the same stop)
         if result.get("preempted"):

@@ -101,10 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="data-parallel replicas of the pipeline: each trains on its own share of a batch dp times "
                         "as large (--microbatches x --microbatch-size rows each); synchronous schedules average the "
                         "gradients over the replicas before the step, asynchronous ones each stage's at every step")
-    p.add_argument("--schedule", choices=SCHEDULES, default="async-1f1b",
+    p.add_argument("--schedule", action=_Given, choices=SCHEDULES, default="async-1f1b",
                    help="pipeline schedule (pipeoptim schedule NAME draws one); every schedule of pipeoptim "
                         "schedule trains")
-    p.add_argument("--policy", choices=ASYNC_POLICIES, default=None,
+    p.add_argument("--policy", action=_Given, choices=ASYNC_POLICIES, default=None,
                    help="weight policy of an asynchronous schedule (default: pipeoptim; 2bw for --schedule 2bw; "
                         "none for synchronous schedules)")
     p.add_argument("--update-every", type=_positive_int, default=None, metavar="M",
@@ -121,34 +121,37 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a measured asynchronous configuration by name (pipeoptim.recipes): it sets --schedule, "
                         "--policy, --optimizer, --momentum and --weight-decay (and the --delay-* rules, --predict-from "
                         "or --muon-scale it uses); a "
-                        "flag you also give must agree with it. async-transformer-muon: PipeDream-2BW with Muon + "
+                        "flag you also give must agree with it, even at its default value; without --lr, the lr it "
+                        "was measured at on --stages devices (async-transformer 5e-4 at 4, 8 and 16; "
+                        "async-transformer-muon 3.2e-2 at 4, 1.6e-2 at 8 and 16), another depth needs --lr. "
+                        "async-transformer-muon: PipeDream-2BW with Muon + "
                         "AdamW (--muon-scale adamw), the fastest asynchronous configuration on a 16-block GPT, at the "
                         "synchronous --lr; async-transformer: PipeDream-2BW with AdamW, at about a quarter of the "
                         "synchronous --lr")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", action=_Given, choices=OPTIMIZERS, default="adamw",
                    help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "
                         "(--lr) on 2-D weights beside AdamW (lr 1e-3) on the rest, predicted with --predict-from "
                         "last_update")
-    p.add_argument("--muon-scale", choices=("original", "adamw"), default="original",
+    p.add_argument("--muon-scale", action=_Given, choices=("original", "adamw"), default="original",
                    help="--optimizer muon: original (torch's default: Muon's update scaled by its matrix's shape, "
                         "AdamW at lr 1e-3 on the rest, --weight-decay on AdamW only) or adamw (Muon's update scaled "
                         "to AdamW's RMS, torch's adjust_lr_fn='match_rms_adamw', so --lr and --weight-decay serve "
                         "both: what the async-transformer-muon recipe was measured with)")
-    p.add_argument("--momentum", type=float, default=None,
+    p.add_argument("--momentum", action=_Given, type=float, default=None,
                    help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
-    p.add_argument("--weight-decay", type=_non_negative_float, default=None,
+    p.add_argument("--weight-decay", action=_Given, type=_non_negative_float, default=None,
                    help="decoupled weight decay of adamw/nadam/muon (default: 0.01)")
     p.add_argument("--dc", type=_non_negative_float, default=0.0,
                    help="--policy stash: DC-ASGD's delay compensation λ, g + λ·g⊙g⊙(w_now − w_stash) (0: off)")
-    p.add_argument("--predict-from", choices=("optimizer", "last_update"), default="optimizer",
+    p.add_argument("--predict-from", action=_Given, choices=("optimizer", "last_update"), default="optimizer",
                    help="PipeOptim's Δ: the optimizer's own rule or the last applied update (any optimizer)")
-    p.add_argument("--delay-lr", choices=LR_RULES, default="none",
+    p.add_argument("--delay-lr", action=_Given, choices=LR_RULES, default="none",
                    help="asynchronous schedules: each stage's lr as a function of its delay τ (pipemare: "
                         "lr/τ^(1−min(k/K,1)); graphcore: lr·(0.25+0.75·(1−τ/τmax)))")
-    p.add_argument("--delay-momentum", choices=MOMENTUM_RULES, default="none",
+    p.add_argument("--delay-momentum", action=_Given, choices=MOMENTUM_RULES, default="none",
                    help="asynchronous schedules: each stage's momentum/β1 as a function of its delay (nesterov: "
                         "m+τ(0.99−m)/P; graphcore: 1−(1−m)(0.1+0.9(1−τ/τmax)))")
-    p.add_argument("--delay-warmup", type=_non_negative_int, default=0,
+    p.add_argument("--delay-warmup", action=_Given, type=_non_negative_int, default=0,
                    help="warm-up K in updates for the delay rules (pipemare's K; else a linear ramp)")
     p.add_argument("--lr", type=_positive_float, default=None,
                    help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth; "
@@ -176,6 +179,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     start.add_argument("--overwrite", action="store_true",
                        help="start afresh in a --run-dir that holds an earlier run: its checkpoints, history.json "
                             "and loss.png are deleted first")
+    p.add_argument("--allow-dp-change", action="store_true",
+                   help="--resume with another --dp than the checkpoint's: the global batch changes (dp x "
+                        "--microbatches x --microbatch-size sequences per window) at the same learning rate; "
+                        "without this flag such a resume is refused, saying what would change")
     p.add_argument("--save-every", type=_non_negative_int, default=50,
                    help="write a checkpoint every N windows, and at the end (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=_positive_int, default=2,
@@ -221,21 +228,39 @@ RECIPE_FLAGS = {"schedule": "--schedule", "policy": "--policy", "optimizer": "--
                 "delay_warmup": "--delay-warmup", "predict_from": "--predict-from", "muon_scale": "--muon-scale"}
 
 
+class _Given(argparse.Action):
+    """Store a flag's value and note that it was given on the command line: a recipe then compares every flag
+    given, whether or not its value equals the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "_given", set(getattr(namespace, "_given", ())) | {self.dest})
+
+
 def apply_recipe(args) -> None:
-    """Set the flags `--recipe` names; a flag the user gave with another value is an error, never overridden."""
+    """Set the flags `--recipe` names; a flag the user gave with another value is an error, never overridden (even
+    when the value given is the flag's default). Without --lr, the lr the recipe was measured at on --stages
+    devices, or a ConfigError naming the depths it was measured on."""
     if not getattr(args, "recipe", None):
         return
     from .recipes import get
     from .runtime.plan import ConfigError
     recipe = get(args.recipe)
+    given = getattr(args, "_given", None)  # None: args not made by this parser (compare with the defaults)
     defaults = getattr(args, "_flag_defaults", {})
     for dest, value in recipe.cli_flags().items():
-        given = getattr(args, dest)
-        if given != defaults.get(dest) and given != value:
+        current = getattr(args, dest)
+        was_given = dest in given if given is not None else current != defaults.get(dest)
+        if was_given and current != value:
             raise ConfigError(f"--recipe {recipe.name} sets {RECIPE_FLAGS[dest]} {value} but you gave "
-                              f"{RECIPE_FLAGS[dest]} {given}; drop one of the two (pipeoptim.recipes says what the "
+                              f"{RECIPE_FLAGS[dest]} {current}; drop one of the two (pipeoptim.recipes says what the "
                               "recipe was measured with)")
         setattr(args, dest, value)
+    if getattr(args, "lr", None) is None:
+        try:
+            args.recipe_lr = recipe.lr_for(args.stages)
+        except ValueError as e:
+            raise ConfigError(f"--recipe {recipe.name} without --lr: {e} with --lr") from None
 
 
 def _checkpoint_stages(text: str):
@@ -427,13 +452,16 @@ def _config(args) -> dict:
     plain = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}  # picklable
     cfg = dict(plain, d_model=d, n_heads=h, n_layers=L, seq_len=T, policy=policy, vocab_size=VOCAB_SIZE,
                cores=_cores(), lr_given=args.lr is not None,
-               lr=args.lr if args.lr is not None else default_lr(args.schedule, args.optimizer))
+               lr=args.lr if args.lr is not None else getattr(args, "recipe_lr", None) or
+               default_lr(args.schedule, args.optimizer))
     _check_prediction(cfg)
     if prepared:
         cfg.update(_prepared_config(args, prepared))
     cfg["emulation"] = emulation_words(cfg)
     if args.tokenizer:
         cfg["vocab_size"] = _check_tokens(cfg)
+        if not prepared:  # (a prepared folder records its tokenizer's files itself)
+            cfg["tokenizer_sha256"] = _tokenizer_identity(args.tokenizer)
     if hf_spec is not None:
         cfg["hf_spec"] = _hf_spec(args, cfg["vocab_size"]) if cfg["vocab_size"] != VOCAB_SIZE else hf_spec
         cfg["hf_model"] = f"{hf_spec['model_type']} (config sha256 {cfg['hf_spec']['sha256'][:16]})"
@@ -495,7 +523,38 @@ def _check_tokens(cfg: dict) -> int:
         raise ConfigError(f"--tokenizer {cfg['tokenizer']}: the text makes {train} training and {val} validation "
                           f"tokens, too few for one window of {T} tokens and the next ({T + 2} needed in each); "
                           "give more text with --data")
+    top = max(int(corpus.train.max()), int(corpus.val.max()))
+    if top >= vocab:  # the embedding has one row per id: such an id would end in an IndexError on the first stage
+        raise ConfigError(f"--tokenizer {cfg['tokenizer']}: the text has token id {top}, but the tokenizer's "
+                          f"vocabulary size is {vocab} (ids 0 to {vocab - 1}), which sizes the model's embedding; "
+                          "the tokenizer's files disagree with each other (added tokens beyond its vocabulary?): "
+                          "save it again with save_pretrained, or give its tokenizer.json")
     return vocab
+
+
+def _tokenizer_identity(name: str) -> str:
+    """The sha256 of a --tokenizer's files: a resume checks that the embedding rows still mean the same tokens."""
+    from .data import DataError
+    from .runtime.plan import ConfigError
+    from .token_shards import tokenizer_sha256
+    try:
+        return tokenizer_sha256(name)
+    except DataError as e:
+        raise ConfigError(f"--tokenizer: {e}") from None
+
+
+def _refuse_changed_tokenizer(directory: str, saved: dict, mine: dict) -> None:
+    """ConfigError when the --tokenizer's files changed under the same name since the checkpoint was written (its
+    embedding and head rows are the old tokenizer's ids); checkpoints that did not record them are not checked."""
+    from .runtime.plan import ConfigError
+    before, now = saved.get("tokenizer_sha256"), mine.get("tokenizer_sha256")
+    if before is None or before == now:
+        return
+    sizes = f"vocabulary {saved.get('vocab_size')} then, {mine.get('vocab_size')} now"
+    raise ConfigError(f"the tokenizer {mine['tokenizer']} changed since {directory} was written (its files' sha256 "
+                      f"{before[:12]} then, {str(now)[:12]} now; {sizes}): the checkpoint's token embedding and "
+                      "output head have one row per token id of the old tokenizer. Resume with the tokenizer's files "
+                      "as they were, or start a new run in another --run-dir")
 
 
 def _cores() -> int:
@@ -640,17 +699,21 @@ def train_worker(cfg: dict) -> dict:
     resumed = len(history)  # the history entries of the run(s) this one continues
 
     def save() -> str:
-        return pipe.save(ckpt, extra={**batches.state(), "history": history, "config": resume_config(cfg)},
-                         keep=cfg["keep_checkpoints"])
+        directory = pipe.save(ckpt, extra={**batches.state(), "history": history,
+                                           "config": resume_config(cfg)}, keep=cfg["keep_checkpoints"])
+        if rank == 0:  # the outputs follow every commit, so a run that dies leaves those of its newest checkpoint
+            _write_outputs(run_dir, history, cfg)
+        return directory
 
     B = cfg["microbatches"] * cfg["microbatch_size"]  # rows per replica; every rank draws all dp x B of them
     tokens_per_step = dp * B * cfg["seq_len"]
     bar = None
-    idle = "idle" if _oversubscribed(cfg) else "bubble"
+    idle = "idle" if _oversubscribed(cfg) or cfg["emulate"] else "bubble"
     if rank == 0 and not cfg["no_progress"]:
         from tqdm import tqdm
         if idle == "idle":
-            print(f"pipeoptim train: {_OVERSUBSCRIBED.format(here=_ranks_here(cfg), **cfg)}", file=sys.stderr)
+            said = _EMULATED if cfg["emulate"] else _OVERSUBSCRIBED
+            print(f"pipeoptim train: {said.format(here=_ranks_here(cfg), **cfg)}", file=sys.stderr)
         bar = tqdm(total=total_steps, initial=start, desc=f"{cfg['schedule']}+{cfg['policy']}", file=sys.stderr,
                    dynamic_ncols=True)
     val_batch = batches.val(dp * B)  # fixed; this replica's rows
@@ -704,8 +767,6 @@ def train_worker(cfg: dict) -> dict:
         # a resume with nothing left to do writes nothing (the checkpoint it came from is already this state);
         # still inside: a second SIGTERM (a scheduler's, after the agent's) must not end a rank mid-save
         directory = save() if start < total_steps else cfg["resume_from"]
-        if rank == 0:
-            _write_outputs(run_dir, history, cfg)
     return {"history": history, "val_loss": val, "elapsed": elapsed, "rank": rank, "stopped": stopped,
             "checkpoint": directory, "start": resumed, "preempted": preempted}
 
@@ -734,6 +795,9 @@ def _stop_on_sigterm(pipe):
 _OVERSUBSCRIBED = ("{here} ranks share {cores} CPU core(s): the progress bar's 'idle' is each rank's idle share, "
                    "which here includes waiting for a core, so it measures the machine more than the schedule's "
                    "bubble (pipeoptim schedule NAME -D {stages} -N {microbatches} gives the schedule's own)")
+_EMULATED = ("--emulate runs the {stages} stages one after another in this process: the progress bar's 'idle' is "
+             "each stage's share of waiting for the others (about 1 - 1/{stages}), not the schedule's bubble "
+             "(pipeoptim schedule {schedule} -D {stages} -N {microbatches} gives that)")
 
 
 def _apply_lr(pipe, lr: float, lr_lambda) -> list[str]:
@@ -778,6 +842,8 @@ def resume_config(cfg: dict) -> dict:
     out = {k: cfg.get(k) for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
     out["update_every"] = cfg.get("update_every")
     out["updates_per_window"] = _updates_per_window(cfg)
+    out["dp"], out["microbatch_size"] = cfg.get("dp", 1), cfg["microbatch_size"]
+    out["tokenizer_sha256"], out["vocab_size"] = cfg.get("tokenizer_sha256"), cfg.get("vocab_size")
     out["delay"] = _delay_hparams(cfg)
     out["data"] = cfg.get("prepared")  # a prepare-data folder: what its tokens are (None: plain text)
     return out
@@ -809,6 +875,8 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
             raise ConfigError(f"{directory} was written with {flags(before)} and this run asks for "
                               f"{flags(mine['delay'])}: the learning-rate schedule's state would not carry over. "
                               f"Resume with {flags(before)}, or start a new run in another --run-dir")
+        _refuse_changed_tokenizer(directory, saved, mine)
+        _check_dp_change(directory, saved, mine, cfg.get("allow_dp_change", False))
         if saved["updates_per_window"] != mine["updates_per_window"]:
             def what(c):
                 m = c.get("update_every")
@@ -823,6 +891,25 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
         print(f"pipeoptim train: warning: skipping a checkpoint: {problem}; set it aside as {files.set_aside(d)}",
               file=sys.stderr)
     return directory, step, extra
+
+
+def _check_dp_change(directory: str, saved: dict, mine: dict, allowed: bool) -> None:
+    """A resume with another --dp changes the global batch (each replica trains on its own share of dp x the
+    rows) at the same learning rate: refused with what changes, unless ``allowed`` (--allow-dp-change), which
+    says it. Checkpoints from before --dp was recorded are not checked."""
+    from .runtime.plan import ConfigError
+    if "dp" not in saved or saved["dp"] == mine["dp"]:
+        return
+
+    def rows(c):
+        return (f"--dp {c['dp']}: {c['dp']} x {c['microbatches']} micro-batches x {c.get('microbatch_size', '?')} "
+                f"sequences = {c['dp'] * c['microbatches'] * c.get('microbatch_size', 0)} sequences per window")
+    what = (f"{directory} was written with {rows(saved)}; this run asks for {rows(mine)}. The global batch "
+            "changes while the learning rate and its schedule go on as they were (nothing is rescaled with the "
+            "batch)")
+    if not allowed:
+        raise ConfigError(f"{what}. Resume with --dp {saved['dp']}, or accept the change with --allow-dp-change")
+    print(f"pipeoptim train: --allow-dp-change: {what}", file=sys.stderr)
 
 
 def _prepared_config(args, manifest: dict) -> dict:
@@ -891,15 +978,53 @@ def _refuse_changed(directory: str, saved: dict, mine: dict) -> None:
                               "run in another --run-dir")
 
 
+# what a run writes in its --run-dir, and whether each is a folder
+RUN_DIR_ENTRIES = {"checkpoint": True, "history.json": False, "loss.png": False, ".lock": False}
+
+
+def check_run_dir(run_dir: str) -> None:
+    """ConfigError naming the path and the fix if the run could not write its outputs in ``run_dir``: a file
+    where a folder goes (or the other way round), or a directory it cannot create or write in. Checked before
+    any rank starts, so that a run never trains and then fails at its first checkpoint."""
+    import tempfile
+
+    from .runtime.plan import ConfigError
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a folder: give a folder (it is created if missing)")
+    for name, folder in RUN_DIR_ENTRIES.items():
+        path = os.path.join(run_dir, name)
+        if os.path.lexists(path) and os.path.isdir(path) != folder:
+            want, found = ("a folder", "a file") if folder else ("a file", "a folder")
+            if folder and os.path.islink(path) and not os.path.exists(path):
+                found = "a broken link"
+            raise ConfigError(f"{path} is {found}, but pipeoptim train writes {want} there ({name}); move it "
+                              f"away, or give this run another --run-dir")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+        if os.path.isdir(ckpt := os.path.join(run_dir, "checkpoint")):
+            with tempfile.TemporaryFile(dir=ckpt):
+                pass
+    except OSError as e:
+        where = e.filename or run_dir
+        raise ConfigError(f"cannot write in {where}: {e.strerror or e}; give a --run-dir you can write to (or "
+                          "fix its permissions)") from None
+
+
 @contextlib.contextmanager
 def _run_dir_lock(run_dir: str):
     """Hold ``run_dir`` for this run: a second run given the same directory fails at once, naming this one
-    (the lock goes with this process, however it ends)."""
+    (the lock goes with this process, however it ends; its file is removed when the run ends)."""
     import fcntl
 
     from .runtime.plan import ConfigError
-    os.makedirs(run_dir, exist_ok=True)
-    f = open(os.path.join(run_dir, ".lock"), "a+")
+    check_run_dir(run_dir)
+    path = os.path.join(run_dir, ".lock")
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        raise ConfigError(f"cannot create {path}: {e.strerror or e}; give a --run-dir you can write to") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -915,6 +1040,8 @@ def _run_dir_lock(run_dir: str):
         f.flush()
         yield
     finally:
+        with contextlib.suppress(OSError):  # still locked: no other run can have taken it meanwhile
+            os.remove(path)
         f.close()
 
 
@@ -973,11 +1100,24 @@ def _strict_json(value):
     return value
 
 
+def _replace_file(path: str, write) -> None:
+    """Write ``path`` whole or not at all: ``write(f)`` into a temporary file beside it, then rename it over."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
 def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
+    """history.json and loss.png of ``history`` (each replaced whole, so a reader never sees half of one)."""
     os.makedirs(run_dir, exist_ok=True)
     config = {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool, type(None)))}
-    with open(os.path.join(run_dir, "history.json"), "w") as f:
-        json.dump(_strict_json({"config": config, "history": history}), f, indent=1, allow_nan=False)
+    text = json.dumps(_strict_json({"config": config, "history": history}), indent=1, allow_nan=False)
+    _replace_file(os.path.join(run_dir, "history.json"), lambda f: f.write(text.encode()))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -991,8 +1131,31 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     plot_training(ax, history, unit=unit,
                   title=f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
     fig.tight_layout()
-    fig.savefig(os.path.join(run_dir, "loss.png"), dpi=100)
+    _replace_file(os.path.join(run_dir, "loss.png"), lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
+
+
+def outputs_from_checkpoint(run_dir: str, cfg: dict) -> str | None:
+    """Write history.json and loss.png from the newest committed checkpoint under ``run_dir`` (the history it
+    holds: what a ``--resume`` continues), whatever state the outputs were left in by a run that died; its
+    directory, or None when there is none (the outputs are then left as they are). Only meta.pt is read (its
+    hash checked against the manifest, then ``torch.load(weights_only=True)``), never the parts."""
+    from .runtime import checkpoint_files as files
+    from .runtime.checkpoint import read
+    for _, directory in files.list_steps(os.path.join(run_dir, "checkpoint")):
+        if not files.sizes_ok(directory):
+            continue
+        record = files.check_sizes(directory)["files"].get("meta.pt")
+        if record is None or files.check_hash(directory, "meta.pt", record) is not None:
+            continue
+        try:
+            history = read(os.path.join(directory, "meta.pt")).get("extra", {}).get("history")
+        except files.CheckpointError:
+            continue
+        if history is not None:
+            _write_outputs(run_dir, history, cfg)
+            return directory
+    return None
 
 
 def _newest_checkpoint(root: str, failure: str = "") -> str:
@@ -1048,6 +1211,9 @@ def _claim_run_dir(args, ckpt_root: str) -> bool:
 
 
 def _idle_words(cfg: dict, percent: float) -> str:
+    if cfg.get("emulate"):
+        return (f"idle {percent:.0f}% (--emulate: the stages run one after another, so it is not the schedule's "
+                "bubble); ")
     if _oversubscribed(cfg):
         return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the "
                 "machine, not the schedule's bubble); ")
@@ -1088,11 +1254,13 @@ def run(args) -> int:
             except (JobInterrupted, KeyboardInterrupt) as e:
                 signum = getattr(e, "signum", 2)
                 print(f"pipeoptim train: {e or 'interrupted'}", file=sys.stderr)
+                _outputs_on_the_way_out(args.run_dir, cfg)
                 if line := _newest_checkpoint(ckpt_root):
                     print(f"pipeoptim train: {line}", file=sys.stderr)
                 return 128 + signum
             except PipelineError as e:
                 print(f"pipeoptim train: failed: {e}", file=sys.stderr)
+                _outputs_on_the_way_out(args.run_dir, cfg)
                 if line := _newest_checkpoint(ckpt_root, str(e)):
                     print(f"pipeoptim train: {line}", file=sys.stderr)
                 return 1
@@ -1100,6 +1268,16 @@ def run(args) -> int:
         print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
         return 2
     return report(result, cfg, args, t0)
+
+
+def _outputs_on_the_way_out(run_dir: str, cfg: dict) -> None:
+    """After a run ended early (a signal, a dead rank): its outputs from its newest committed checkpoint. A
+    second Ctrl-C while they are written leaves the ones the last checkpoint wrote, which are whole."""
+    try:
+        outputs_from_checkpoint(run_dir, cfg)
+    except (OSError, KeyboardInterrupt) as e:
+        print(f"pipeoptim train: history.json and loss.png not rewritten ({type(e).__name__}: {e}); those of the "
+              "last checkpoint stay", file=sys.stderr)
 
 
 def _nothing_to_do(at: int, steps: int, resume_from: str, extra: dict) -> None:

@@ -45,6 +45,18 @@ class Recipe:
     avoid: str                      # what not to use instead, and why (measured)
     policy_options: dict = field(default_factory=dict)
     delay_hparams: dict | None = None
+    measured_lr: dict = field(default_factory=dict)  # pipeline devices -> the lr its evidence was measured at
+
+    def lr_for(self, devices: int) -> float:
+        """The lr the recipe's evidence was measured at on ``devices`` pipeline devices; ValueError naming the
+        depths and lrs that were measured when ``devices`` is not one of them (give an lr then)."""
+        if devices in self.measured_lr:
+            return self.measured_lr[devices]
+        raise ValueError(f"recipe {self.name!r} was measured on {self._measured()}, not on {devices}; give a "
+                         "learning rate (a sweep around those)")
+
+    def _measured(self) -> str:
+        return ", ".join(f"{d} devices at lr {lr:g}" for d, lr in sorted(self.measured_lr.items())) or "no depth"
 
     def optimizer_factory(self, lr: float) -> Callable:
         """``Pipeline(optimizer=...)``: the recipe's optimizer at learning rate `lr`."""
@@ -92,13 +104,16 @@ class Recipe:
         options = "" if not self.policy_options else f" {self.policy_options}"
         return (f"{self.name}: schedule {self.schedule}, policy {self.policy}{options}, "
                 f"{self.optimizer} β1 {self.beta1:g} weight decay {self.weight_decay:g}{delay}, linear lr warm-up "
-                f"over {self.warmup} updates. Evidence: {self.evidence} Avoid: {self.avoid}")
+                f"over {self.warmup} updates; measured on {self._measured()} (pipeoptim train --recipe without "
+                f"--lr takes that lr for --stages, and refuses another depth). Evidence: {self.evidence} "
+                f"Avoid: {self.avoid}")
 
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe(
         name="async-transformer",
         schedule="2bw", policy="2bw", optimizer="adamw", beta1=0.9, weight_decay=0.1, warmup=64,
+        measured_lr={4: 5e-4, 8: 5e-4, 16: 5e-4},
         evidence="on gpt16 (16 blocks, 16 samples per update, 512 updates) it reached the synchronous target 2.5 in "
                  "3 of 3 seeds at D = 4, 8 and 16, at lr 5e-4, a quarter of the synchronous best (2e-3); PipeOptim's "
                  "prediction on top of it (policy 'pipeoptim') was no consistent gain (paired final loss -0.13 to "
@@ -114,6 +129,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe(
         name="async-transformer-muon",
         schedule="2bw", policy="2bw", optimizer="muon", beta1=0.95, weight_decay=0.1, warmup=64,
+        measured_lr={4: 3.2e-2, 8: 1.6e-2, 16: 1.6e-2},
         evidence="on gpt16 (16 blocks, 16 samples per update, 512 updates, 64 of warm-up) PipeDream-2BW with Muon on "
                  "the 2-D weights at AdamW's update RMS and AdamW on the rest reached the synchronous target 2.5 in 3 "
                  "of 3 seeds at D = 4, 8 and 16 at the synchronous lr (1.6e-2 at D = 8 and 16, 3.2e-2 at D = 4; "

@@ -71,6 +71,16 @@ def test_sigkilled_rank0_ends_the_run_and_resume_continues(tmp_path):
     assert [h["step"] for h in history] == list(range(1, at + 3))
 
 
+def _history_is_the_newest_checkpoints(run):
+    """history.json (and loss.png) hold exactly the steps of the newest committed checkpoint: what a --resume
+    continues (issue 44.3: after SIGINT or a second SIGTERM there were none; after a dead rank, older ones)."""
+    newest = max(int(p.name.split("-")[1]) for p in (run / "checkpoint").iterdir()
+                 if re.fullmatch(r"step-\d+", p.name) and (p / "manifest.json").exists())
+    assert [h["step"] for h in json.load(open(run / "history.json"))["history"]] == list(range(1, newest + 1))
+    assert (run / "loss.png").stat().st_size > 1000
+    return newest
+
+
 def test_sigint_to_the_launcher_ends_every_rank(tmp_path):
     sig = signal.SIGINT
     job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
@@ -85,6 +95,28 @@ def test_sigint_to_the_launcher_ends_every_rank(tmp_path):
     assert f"stopped by {sig.name}: every rank has ended" in text, text
     assert gone < BOUND_S, f"{gone:.1f} s to a clean end"
     assert not any(os.path.exists(f"/proc/{p}") and fh._state(p) != "Z" for p in ranks)
+    assert _history_is_the_newest_checkpoints(run) >= 2
+
+
+def test_a_second_sigterm_still_leaves_the_newest_checkpoints_history(tmp_path):
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "1", "--no-progress")
+    fh.wait_for(_saved(run, 2), job)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    time.sleep(0.05)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(BOUND_S + 30) == 128 + signal.SIGTERM, job.text()
+    assert _history_is_the_newest_checkpoints(run) >= 2
+
+
+def test_a_rank_killed_in_a_resumed_run_leaves_the_history_of_its_newest_checkpoint(tmp_path):
+    # issue 44.3: killed after step 50 was committed, history.json held the first 40 windows (the first run's)
+    code, text = _run(tmp_path, "--run-dir", str(tmp_path / "run"), "--steps", "3", "--no-progress")
+    assert code == 0, text
+    job, run = _start(tmp_path, "--steps", "100000", "--save-every", "2", "--resume", "--no-progress")
+    fh.wait_for(_saved(run, 7), job)
+    os.kill(fh.rank_pid(job, 1), signal.SIGKILL)
+    assert job.wait(BOUND_S + 30) == 1, job.text()
+    assert _history_is_the_newest_checkpoints(run) >= 7
 
 
 def _stopped_by_sigterm(tmp_path, job, run, *resume_args):

@@ -3,6 +3,7 @@ it names without overriding a flag the user gave."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -123,3 +124,44 @@ def test_every_recipe_trains_from_the_cli(tmp_path, capsys, one_thread):
         assert rc == 0, capsys.readouterr().err
         last = capsys.readouterr().out.strip().splitlines()[-1]
         assert 0 < float(last.removeprefix("final loss: ")) < 6.0, (name, last)
+
+
+def test_a_flag_given_at_its_default_value_still_contradicts_the_recipe():
+    # issue 45.5: `--recipe async-transformer-muon --optimizer adamw` ran Muon and `--schedule async-1f1b` ran 2BW,
+    # silently: the recipe compared each flag with its default, and these are the defaults
+    with pytest.raises(ConfigError, match="--recipe async-transformer-muon sets --optimizer muon but you gave "
+                                          "--optimizer adamw"):
+        apply_recipe(_args("--recipe", "async-transformer-muon", "--optimizer", "adamw"))
+    with pytest.raises(ConfigError, match="sets --schedule 2bw but you gave --schedule async-1f1b"):
+        apply_recipe(_args("--recipe", "async-transformer-muon", "--schedule", "async-1f1b"))
+    with pytest.raises(ConfigError, match="sets --muon-scale adamw but you gave --muon-scale original"):
+        apply_recipe(_args("--recipe", "async-transformer-muon", "--muon-scale", "original"))
+    args = _args("--recipe", "async-transformer-muon", "--optimizer", "muon")  # agreeing, given: fine
+    apply_recipe(args)
+    assert args.optimizer == "muon" and args.muon_scale == "adamw"
+
+
+def test_a_recipe_without_lr_takes_the_lr_it_was_measured_at_or_refuses_another_depth():
+    # issue 45.5: `--recipe async-transformer-muon --model hf-llama` trained at 3e-3, never measured
+    for name, stages, lr in [("async-transformer-muon", "4", 3.2e-2), ("async-transformer-muon", "8", 1.6e-2),
+                             ("async-transformer", "16", 5e-4)]:
+        args = _args("--recipe", name, "--stages", stages)
+        apply_recipe(args)
+        assert args.recipe_lr == lr
+    with pytest.raises(ConfigError, match=r"--recipe async-transformer-muon without --lr: recipe "
+                                          r"'async-transformer-muon' was measured on 4 devices at lr 0.032, 8 devices "
+                                          r"at lr 0.016, 16 devices at lr 0.016, not on 2; give a learning rate"):
+        apply_recipe(_args("--recipe", "async-transformer-muon", "--stages", "2"))
+    given = _args("--recipe", "async-transformer-muon", "--stages", "2", "--lr", "1e-2")
+    apply_recipe(given)  # a given lr is the user's: any depth
+    assert not hasattr(given, "recipe_lr")
+    assert "measured on 4 devices at lr 0.032" in recipes.get("async-transformer-muon").describe()
+
+
+def test_the_cli_runs_a_recipe_at_its_measured_lr(tmp_path, capsys, one_thread):
+    from pipeoptim.cli_train import main
+    rc = main(["--model", "tiny", "--stages", "4", "--microbatches", "4", "--microbatch-size", "1", "--emulate",
+               "--no-progress", "--recipe", "async-transformer-muon", "--steps", "1", "--run-dir", str(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "history.json").read_text())["config"]
+    assert config["lr"] == 3.2e-2 and config["lr_given"] is False and config["optimizer"] == "muon"
