@@ -17,11 +17,13 @@ its own best learning rate (lowest mean validation loss over the seeds; marked w
 edge, i.e. not bracketed) and the paired differences, stream minus windows, seed by seed, at the two modes' best
 learning rates and at every learning rate.
 
-Configurations (``--configs``): ``main`` the main job (async 1F1B with PipeOptim, AdamW: ``pipeoptim train``'s
-defaults); ``2bw-n`` PipeDream-2BW with one update per window (``--update-every 8``: the fastest stream of
+Configurations (``--configs``): ``main`` the main job as it was until its default changed (async 1F1B with
+PipeOptim, AdamW); ``2bw-n`` PipeDream-2BW with one update per window (``--update-every 8``: the fastest stream of
 ``bench_runtime_peer.py``), AdamW; ``2bw-n-pipeoptim`` the same with PipeOptim's policy (each forward on the
 weights predicted for its backward: as windows there is nothing to predict, as a stream the one update the next
-window's first forwards would miss); ``2bw-muon`` the ``async-transformer-muon`` recipe (2BW, Muon + AdamW).
+window's first forwards would miss); ``2bw-muon`` the ``async-transformer-muon`` recipe (2BW, Muon + AdamW); ``2bw-muon-pipeoptim`` the same with
+PipeOptim's prediction from the last update in place of 2BW's double buffer (``--modes windows``: the main job's
+default since it was measured here).
 
     python benchmarks/bench_stream_convergence.py [--configs main 2bw-n] [--seeds 0 1 2] [--jobs 2]
     python benchmarks/bench_stream_convergence.py --report    # the tables from the CSV only
@@ -50,10 +52,16 @@ import bench_runtime_peer as peer  # noqa: E402  (the CPU's description)
 RESULTS = os.path.join(HERE, "results")
 # configuration -> (pipeoptim train flags, learning rates swept)
 CONFIGS = {
-    "main": ((), (1.5e-3, 3e-3, 6e-3)),
+    "main": (("--schedule", "async-1f1b", "--policy", "pipeoptim", "--optimizer", "adamw"), (1.5e-3, 3e-3, 6e-3)),
     "2bw-n": (("--schedule", "2bw", "--update-every", "8"), (1.5e-3, 3e-3, 6e-3)),
     "2bw-n-pipeoptim": (("--schedule", "2bw", "--policy", "pipeoptim", "--update-every", "8"), (1.5e-3, 3e-3, 6e-3)),
     "2bw-muon": (("--recipe", "async-transformer-muon"), (8e-3, 1.6e-2, 3.2e-2)),
+    # PipeDream-2BW (an update every --stages micro-batches) with PipeOptim's prediction from the last applied
+    # update instead of 2BW's double buffer, and the recipe's Muon + AdamW: each forward runs on the weights
+    # predicted for its backward (the one update between them). The main job's default since measured here.
+    "2bw-muon-pipeoptim": (("--schedule", "2bw", "--policy", "pipeoptim", "--predict-from", "last_update",
+                            "--optimizer", "muon", "--muon-scale", "adamw", "--momentum", "0.95",
+                            "--weight-decay", "0.1"), (1.6e-2, 3.2e-2, 6.4e-2)),
 }
 MODES = ("windows", "stream")
 FIELDS = ("config", "mode", "lr", "seed", "windows", "val_loss", "tail_loss", "finished", "wall_s")
@@ -193,6 +201,8 @@ def main(argv=None) -> None:
     ap.add_argument("--windows", type=int, default=200, help="train_step calls per run (the main job's 200)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each one thread)")
     ap.add_argument("--csv", default=os.path.join(RESULTS, "stream_convergence.csv"))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="windows, stream or both (default both: the paired comparison this script exists for)")
     ap.add_argument("--report", action="store_true", help="print the tables from the CSV, run nothing")
     args = ap.parse_args(argv)
     if args.windows < 1 or args.jobs < 1:
@@ -204,7 +214,7 @@ def main(argv=None) -> None:
     if not args.report:
         done = {_key(r) for r in rows}
         todo = [(c, m, lr, s, args.windows) for c in args.configs for lr in (args.lrs or CONFIGS[c][1])
-                for s in args.seeds for m in MODES if (c, m, lr, s, args.windows) not in done]
+                for s in args.seeds for m in args.modes if (c, m, lr, s, args.windows) not in done]
         command = (f"# python benchmarks/bench_stream_convergence.py {' '.join(sys.argv[1:] if argv is None else argv)}"
                    f"\n# {peer._cpu()}; each run one thread, emulated\n")
         print(f"{len(todo)} runs to do ({len(done)} in {args.csv} already)", flush=True)
