@@ -1143,14 +1143,12 @@ def outputs_from_checkpoint(run_dir: str, cfg: dict) -> str | None:
     from .runtime import checkpoint_files as files
     from .runtime.checkpoint import read
     for _, directory in files.list_steps(os.path.join(run_dir, "checkpoint")):
-        if not files.sizes_ok(directory):
-            continue
-        record = files.check_sizes(directory)["files"].get("meta.pt")
-        if record is None or files.check_hash(directory, "meta.pt", record) is not None:
-            continue
         try:
+            record = files.check_sizes(directory)["files"].get("meta.pt")
+            if record is None or files.check_hash(directory, "meta.pt", record) is not None:
+                continue
             history = read(os.path.join(directory, "meta.pt")).get("extra", {}).get("history")
-        except files.CheckpointError:
+        except files.CheckpointError:  # not committed, or damaged: the one before it
             continue
         if history is not None:
             _write_outputs(run_dir, history, cfg)

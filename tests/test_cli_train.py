@@ -553,3 +553,18 @@ def test_a_resume_after_the_tokenizers_files_changed_names_the_tokenizer(tmp_pat
     assert f"the tokenizer {tmp_path / 'tok'} changed since {tmp_path / 'run' / 'checkpoint' / 'step-00000001'} " \
            "was written (its files' sha256" in err, err
     assert "one row per token id of the old tokenizer" in err and "Traceback" not in err
+
+
+def test_outputs_come_from_the_newest_checkpoint_whose_meta_is_intact(tmp_path, capsys, one_thread):
+    from pipeoptim.cli_train import outputs_from_checkpoint
+    assert main([*TINY, "--schedule", "1f1b", "--run-dir", str(tmp_path), "--steps", "4", "--save-every", "2"]) == 0
+    meta = tmp_path / "checkpoint" / "step-00000004" / "meta.pt"
+    blob = bytearray(meta.read_bytes())
+    blob[-20] ^= 0xFF  # the same size, other bytes: its hash no longer matches the manifest
+    meta.write_bytes(bytes(blob))
+    (tmp_path / "history.json").unlink()
+    got = outputs_from_checkpoint(str(tmp_path), {"model": "tiny", "stages": 2, "schedule": "1f1b",
+                                                  "policy": "none", "optimizer": "adamw"})
+    assert got == str(tmp_path / "checkpoint" / "step-00000002")
+    assert [r["step"] for r in _strict(tmp_path / "history.json")["history"]] == [1, 2]
+    assert outputs_from_checkpoint(str(tmp_path / "none"), {}) is None
