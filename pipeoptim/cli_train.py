@@ -1127,7 +1127,9 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     from .viz import plot_training
     fig, ax = plt.subplots(figsize=(6, 3.5))
     model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
-    unit = "nats/token" if cfg.get("tokenizer") else "nats/byte"
+    from .token_shards import BYTES
+    prepared = cfg.get("prepared")  # a prepare-data folder holds tokens of its tokenizer, given or not
+    unit = "nats/token" if cfg.get("tokenizer") or (prepared and prepared["tokenizer"] != BYTES) else "nats/byte"
     plot_training(ax, history, unit=unit,
                   title=f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
     fig.tight_layout()

@@ -568,3 +568,18 @@ def test_outputs_come_from_the_newest_checkpoint_whose_meta_is_intact(tmp_path, 
     assert got == str(tmp_path / "checkpoint" / "step-00000002")
     assert [r["step"] for r in _strict(tmp_path / "history.json")["history"]] == [1, 2]
     assert outputs_from_checkpoint(str(tmp_path / "none"), {}) is None
+
+
+def test_the_loss_picture_says_tokens_for_a_prepared_tokenized_folder(tmp_path, monkeypatch):
+    # a prepared folder of a tokenizer's ids, trained without --tokenizer, was plotted in nats/byte
+    pytest.importorskip("matplotlib")
+    import pipeoptim.viz as viz
+    from pipeoptim.cli_train import _write_outputs
+    units = []
+    monkeypatch.setattr(viz, "plot_training", lambda ax, history, unit, title: units.append(unit))
+    cfg = {"model": "hf-gpt2", "stages": 2, "schedule": "1f1b", "policy": "none", "optimizer": "adamw"}
+    rows = [{"step": 1, "loss": 5.0, "val_loss": None}]
+    _write_outputs(str(tmp_path), rows, {**cfg, "prepared": {"tokenizer": "tok.json"}})
+    _write_outputs(str(tmp_path), rows, {**cfg, "prepared": {"tokenizer": "bytes"}})
+    _write_outputs(str(tmp_path), rows, cfg)
+    assert units == ["nats/token", "nats/byte", "nats/byte"]
