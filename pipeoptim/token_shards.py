@@ -32,8 +32,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 
+
+class _Numpy:
+    """numpy, imported at its first use: ``pipeoptim train`` reads a manifest among its configuration checks, which
+    answer a wrong flag before anything heavy is imported (tests/test_cli_args.py)."""
+
+    def __getattr__(self, name):
+        import numpy
+        return getattr(numpy, name)
+
+
+np = _Numpy()
+_ITEMSIZE = {"uint16": 2, "uint32": 4}  # the dtypes prepare-data writes (``dtype_for``)
 from .data import VAL_FRACTION, DataError, held_out_bytes, text_files
 
 FORMAT = "pipeoptim-token-shards"
@@ -107,7 +118,7 @@ def read_manifest(folder: str | os.PathLike) -> dict:
         raise DataError(f"{path} is format version {m.get('version')!r}; this pipeoptim reads version "
                         f"{FORMAT_VERSION}: {again}")
     try:
-        itemsize = np.dtype(m["dtype"]).itemsize
+        itemsize = _ITEMSIZE[m["dtype"]]
         for split in SPLITS:
             for shard in m["splits"][split]["shards"]:
                 name = shard["file"]
