@@ -58,10 +58,19 @@ CONFIGS = {
     "2bw-muon": (("--recipe", "async-transformer-muon"), (8e-3, 1.6e-2, 3.2e-2)),
     # PipeDream-2BW (an update every --stages micro-batches) with PipeOptim's prediction from the last applied
     # update instead of 2BW's double buffer, and the recipe's Muon + AdamW: each forward runs on the weights
-    # predicted for its backward (the one update between them). The main job's default since measured here.
+    # predicted for its backward (the one update between them).
     "2bw-muon-pipeoptim": (("--schedule", "2bw", "--policy", "pipeoptim", "--predict-from", "last_update",
                             "--optimizer", "muon", "--muon-scale", "adamw", "--momentum", "0.95",
                             "--weight-decay", "0.1"), (1.6e-2, 3.2e-2, 6.4e-2)),
+    # asynchronous 1F1B (an update every micro-batch, stage k D-k-1 updates stale) with the same Muon + AdamW:
+    # PipeOptim's prediction from the last applied update against stashing (each forward's weights kept for its
+    # backward), the candidates for the main job's default
+    "async-muon-pipeoptim": (("--schedule", "async-1f1b", "--policy", "pipeoptim", "--predict-from", "last_update",
+                              "--optimizer", "muon", "--muon-scale", "adamw", "--momentum", "0.95",
+                              "--weight-decay", "0.1"), (8e-3, 1.6e-2, 3.2e-2)),
+    "async-muon-stash": (("--schedule", "async-1f1b", "--policy", "stash", "--optimizer", "muon",
+                          "--muon-scale", "adamw", "--momentum", "0.95", "--weight-decay", "0.1"),
+                         (8e-3, 1.6e-2, 3.2e-2)),
 }
 MODES = ("windows", "stream")
 FIELDS = ("config", "mode", "lr", "seed", "windows", "val_loss", "tail_loss", "finished", "wall_s")

@@ -2,7 +2,8 @@
 the user's own text (``--data``, byte-level or through a local ``--tokenizer`` for the Hugging Face models).
 
 The default is the project's showcase: 4 pipeline stages as 4 local processes on CPU (gloo), asynchronous
-1F1B with PipeOptim weight prediction and AdamW, a progress bar with loss, tokens/s and bubble time, a
+1F1B with PipeOptim's weight prediction (from the last applied update) and Muon + AdamW, the asynchronous
+configuration that trained this model best; a progress bar with loss, tokens/s and bubble time, a
 checkpoint and a loss plot under ``--run-dir``; the last line printed is ``final loss: <float>``.
 ``--emulate`` runs the same schedule in one process (on ``--device``); ``--device cuda`` uses NCCL, one GPU
 per stage. ``--dp 2`` runs two data-parallel replicas of the pipeline (``--stages`` x ``--dp`` processes): each
@@ -55,6 +56,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon 
 # bracketed on both sides) asynchronous 1F1B learned best at a quarter of the lr that suited the synchronous weights
 # (2BW with one update per window, GPipe's weights): 7.5e-4 against 3e-3, validation 2.051 against 2.223 at 3e-3.
 DEFAULT_LR, ASYNC_1F1B_ADAMW_LR = 3e-3, 7.5e-4
+# The main job's default pair, asynchronous 1F1B + PipeOptim's prediction from the last update + Muon at AdamW's
+# scale: the best lr of the same 3-seed sweep, bracketed on both sides (docs/getting-started.md, "The main job").
+ASYNC_1F1B_MUON_LR = 1.6e-2
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
 # with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
@@ -63,6 +67,7 @@ RESUME_MUST_MATCH = {
     "model": _DO_NOT_FIT, "optimizer": _DO_NOT_FIT, "precision": _DO_NOT_FIT,
     "tokenizer": "its embedding rows are that tokenizer's token ids",
     "hf_config": _DO_NOT_FIT, "hf_set": _DO_NOT_FIT,
+    "muon_scale": "Muon's steps would change size mid-run (its --lr was chosen for the scale it was written with)",
     "hf_model": "the model that --hf-config builds has changed (its config.json was edited?), so " + _DO_NOT_FIT,
     "seed": "a resumed run continues the checkpoint's random state (the data order), so another seed would "
             "change nothing",
@@ -128,23 +133,23 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "AdamW (--muon-scale adamw), the fastest asynchronous configuration on a 16-block GPT, at the "
                         "synchronous --lr; async-transformer: PipeDream-2BW with AdamW, at about a quarter of the "
                         "synchronous --lr")
-    p.add_argument("--optimizer", action=_Given, choices=OPTIMIZERS, default="adamw",
-                   help="optimizer of every stage; nadam: decoupled weight decay 0.01; muon: torch.optim.Muon "
-                        "(--lr) on 2-D weights beside AdamW (lr 1e-3) on the rest, predicted with --predict-from "
-                        "last_update")
-    p.add_argument("--muon-scale", action=_Given, choices=("original", "adamw"), default="original",
-                   help="--optimizer muon: original (torch's default: Muon's update scaled by its matrix's shape, "
-                        "AdamW at lr 1e-3 on the rest, --weight-decay on AdamW only) or adamw (Muon's update scaled "
-                        "to AdamW's RMS, torch's adjust_lr_fn='match_rms_adamw', so --lr and --weight-decay serve "
-                        "both: what the async-transformer-muon recipe was measured with)")
+    p.add_argument("--optimizer", action=_Given, choices=OPTIMIZERS, default="muon",
+                   help="optimizer of every stage; muon: torch.optim.Muon on the 2-D weights beside AdamW on the "
+                        "rest, predicted with --predict-from last_update; nadam: NAdam with decoupled weight decay")
+    p.add_argument("--muon-scale", action=_Given, choices=("original", "adamw"), default=None,
+                   help="--optimizer muon: how Muon's update is scaled (default: adamw, to AdamW's RMS, torch's "
+                        "adjust_lr_fn='match_rms_adamw', so --lr and --weight-decay serve both; what every Muon "
+                        "result here was measured with); original: torch's own scale, by the matrix's shape, with "
+                        "AdamW at lr 1e-3 on the rest and --weight-decay on AdamW only")
     p.add_argument("--momentum", action=_Given, type=float, default=None,
                    help="β1 of adamw/adam/nadam, momentum of sgd/muon (default: 0.9; muon 0.95)")
     p.add_argument("--weight-decay", action=_Given, type=_non_negative_float, default=None,
-                   help="decoupled weight decay of adamw/nadam/muon (default: 0.01)")
+                   help="decoupled weight decay of adamw/nadam/muon (default: 0.01; muon 0.1)")
     p.add_argument("--dc", type=_non_negative_float, default=0.0,
                    help="--policy stash: DC-ASGD's delay compensation λ, g + λ·g⊙g⊙(w_now − w_stash) (0: off)")
-    p.add_argument("--predict-from", action=_Given, choices=("optimizer", "last_update"), default="optimizer",
-                   help="PipeOptim's Δ: the optimizer's own rule or the last applied update (any optimizer)")
+    p.add_argument("--predict-from", action=_Given, choices=("optimizer", "last_update"), default=None,
+                   help="PipeOptim's Δ: the optimizer's own rule or the last applied update (any optimizer) "
+                        "(default: last_update for muon, which has no rule of its own; optimizer otherwise)")
     p.add_argument("--delay-lr", action=_Given, choices=LR_RULES, default="none",
                    help="asynchronous schedules: each stage's lr as a function of its delay τ (pipemare: "
                         "lr/τ^(1−min(k/K,1)); graphcore: lr·(0.25+0.75·(1−τ/τmax)))")
@@ -154,11 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--delay-warmup", action=_Given, type=_non_negative_int, default=0,
                    help="warm-up K in updates for the delay rules (pipemare's K; else a linear ramp)")
     p.add_argument("--lr", type=_positive_float, default=None,
-                   help="peak learning rate (linear warm-up over 5%% of the updates, then cosine to a tenth; "
-                        f"default: {ASYNC_1F1B_ADAMW_LR:g} for async-1f1b with adamw, the default pair, "
-                        f"{DEFAULT_LR:g} otherwise: each the best of a 3-seed sweep on the default run, README "
-                        "'Windows or a stream'); with --resume a value you give applies from the checkpoint's "
-                        "step on, and without one the checkpoint's stays")
+                   help=f"peak learning rate (default: {ASYNC_1F1B_MUON_LR:g} for async-1f1b with muon, the default "
+                        f"pair; {ASYNC_1F1B_ADAMW_LR:g} for async-1f1b with adamw; {DEFAULT_LR:g} otherwise: each "
+                        "the best of a 3-seed sweep on the default run, docs/getting-started.md; with --recipe, the "
+                        "lr the recipe was measured at); a linear warm-up over 5%% of the updates, then cosine to a "
+                        "tenth; with --resume a value you give applies from the checkpoint's step on, and without "
+                        "one the checkpoint's stays")
     p.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per schedule window")
     p.add_argument("--microbatch-size", type=_positive_int, default=4, help="sequences per micro-batch")
     p.add_argument("--steps", type=_positive_int, default=200, help="schedule windows (train_step calls) to run")
@@ -213,8 +219,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def default_lr(schedule: str, optimizer: str) -> float:
-    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pair)."""
-    return ASYNC_1F1B_ADAMW_LR if (schedule, optimizer) == ("async-1f1b", "adamw") else DEFAULT_LR
+    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pairs)."""
+    measured = {("async-1f1b", "adamw"): ASYNC_1F1B_ADAMW_LR, ("async-1f1b", "muon"): ASYNC_1F1B_MUON_LR}
+    return measured.get((schedule, optimizer), DEFAULT_LR)
 
 
 def recipe_names() -> list[str]:
@@ -455,6 +462,8 @@ def _config(args) -> dict:
                lr=args.lr if args.lr is not None else getattr(args, "recipe_lr", None) or
                default_lr(args.schedule, args.optimizer))
     _check_prediction(cfg)
+    cfg.update(predict_from=_predict_from(cfg),  # what runs, as history.json and the checkpoint record it
+               muon_scale=_muon_scale(cfg) if cfg["optimizer"] == "muon" else None)
     if prepared:
         cfg.update(_prepared_config(args, prepared))
     cfg["emulation"] = emulation_words(cfg)
@@ -581,7 +590,7 @@ def _optimizer(cfg):
     name, lr = cfg["optimizer"], cfg["lr"]
     m = cfg.get("momentum")
     b1 = 0.9 if m is None else m
-    wd = 0.01 if cfg.get("weight_decay") is None else cfg["weight_decay"]
+    wd = (0.1 if name == "muon" else 0.01) if cfg.get("weight_decay") is None else cfg["weight_decay"]
     if name == "adamw":
         return lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, 0.999), weight_decay=wd)
     if name == "adam":
@@ -591,7 +600,7 @@ def _optimizer(cfg):
                                             decoupled_weight_decay=True)
     if name == "muon":
         from .optim import muon_and_adamw, muon_at_adamw_scale
-        if cfg.get("muon_scale") == "adamw":
+        if _muon_scale(cfg) == "adamw":
             return muon_at_adamw_scale(lr, momentum=0.95 if m is None else m, weight_decay=wd)
         return muon_and_adamw(lr=lr, momentum=0.95 if m is None else m, adamw_betas=(0.9, 0.999),
                               adamw_weight_decay=wd)
@@ -600,8 +609,21 @@ def _optimizer(cfg):
     return lambda ps: torch.optim.RMSprop(ps, lr=lr)
 
 
+def _predict_from(cfg: dict) -> str:
+    """PipeOptim's Δ: --predict-from when given; otherwise the last applied update for Muon (it has no rule of
+    its own to predict with) and the optimizer's own rule for the rest."""
+    if cfg.get("predict_from"):
+        return cfg["predict_from"]
+    return "last_update" if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" else "optimizer"
+
+
+def _muon_scale(cfg: dict) -> str:
+    """--muon-scale when given; otherwise adamw, the scale every Muon result here was measured at."""
+    return cfg.get("muon_scale") or "adamw"
+
+
 def _policy_options(cfg: dict) -> dict:
-    delta, dc = cfg.get("predict_from", "optimizer"), cfg.get("dc", 0.0)
+    delta, dc = _predict_from(cfg), cfg.get("dc", 0.0)
     if cfg["policy"] == "pipeoptim" and delta != "optimizer":
         return {"delta": delta}
     return {"dc": dc} if cfg["policy"] == "stash" and dc else {}
@@ -609,7 +631,7 @@ def _policy_options(cfg: dict) -> dict:
 
 def _check_prediction(cfg: dict) -> None:
     from .runtime.plan import ConfigError
-    delta = cfg.get("predict_from", "optimizer")
+    delta = _predict_from(cfg)
     if delta != "optimizer" and cfg["policy"] != "pipeoptim":
         raise ConfigError(f"--predict-from {delta} chooses PipeOptim's Δ, but the policy is {cfg['policy']}; use "
                           "--policy pipeoptim or drop --predict-from")
@@ -622,7 +644,7 @@ def _check_prediction(cfg: dict) -> None:
                           "async-1f1b or async-zb)")
     if not 0.0 <= dc < math.inf:
         raise ConfigError(f"--dc must be a finite number >= 0, got {dc}")
-    if cfg.get("muon_scale", "original") != "original" and cfg["optimizer"] != "muon":
+    if cfg.get("muon_scale") and cfg["optimizer"] != "muon":
         raise ConfigError(f"--muon-scale {cfg['muon_scale']} sets how Muon scales its update, but the optimizer is "
                           f"{cfg['optimizer']}; use --optimizer muon or drop --muon-scale")
     if cfg["optimizer"] == "muon" and cfg["policy"] == "pipeoptim" and delta == "optimizer":

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from pipeoptim.cli_train import main
+from pipeoptim.cli_train import ASYNC_1F1B_MUON_LR, _optimizer, main
+from pipeoptim.runtime.plan import ConfigError
 
 
 def test_hf_gpt2_trains_through_the_emulated_pipeline(tmp_path, capsys, one_thread):
@@ -213,7 +214,8 @@ def test_without_lr_a_run_gets_its_pairs_measured_best_and_a_resume_keeps_the_ch
 
     def cfg(*flags):
         return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
-    assert (cfg()["lr"], cfg()["lr_given"]) == (7.5e-4, False)
+    assert (cfg()["lr"], cfg()["lr_given"]) == (ASYNC_1F1B_MUON_LR, False)
+    assert (cfg("--optimizer", "adamw")["lr"], cfg("--optimizer", "adamw")["lr_given"]) == (7.5e-4, False)
     for other in (["--schedule", "1f1b"], ["--optimizer", "sgd"]):
         assert cfg(*other)["lr"] == 3e-3, other
     # a recipe runs at the lr its evidence was measured at (issue 45.5: it got 3e-3, never measured)
@@ -221,7 +223,7 @@ def test_without_lr_a_run_gets_its_pairs_measured_best_and_a_resume_keeps_the_ch
         (5e-4, False)
     assert (cfg("--lr", "0.01")["lr"], cfg("--lr", "0.01")["lr_given"]) == (0.01, True)
 
-    common = [*TINY, "--run-dir", str(tmp_path)]
+    common = [*TINY, "--optimizer", "adamw", "--run-dir", str(tmp_path)]
     assert main([*common, "--steps", "2"]) == 0
     assert _strict(tmp_path / "history.json")["config"]["lr"] == 7.5e-4
     assert main([*common, "--steps", "2", "--overwrite", "--lr", "0.002"]) == 0
@@ -231,6 +233,46 @@ def test_without_lr_a_run_gets_its_pairs_measured_best_and_a_resume_keeps_the_ch
     saved = torch.load(tmp_path / "checkpoint" / "step-00000003" / "part-0.pt", weights_only=True)
     peaks = {v for k, v in _items(saved) if k.endswith("initial_lr")}
     assert peaks == {0.002}, peaks
+
+
+def test_the_default_is_async_1f1b_with_pipeoptims_prediction_from_the_last_update_and_muon(tmp_path):
+    # issue 45.6: the main job's default was async 1F1B + AdamW, the configuration the docs advise Transformer
+    # users against; it is now the measured best asynchronous configuration of the main run, with every coupled
+    # default (Muon's scale, its weight decay, PipeOptim's Δ, the lr) resolved to what was measured
+    from pipeoptim.cli import build_parser
+    from pipeoptim.cli_train import _config
+
+    def cfg(*flags):
+        return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
+    default = cfg()
+    assert {k: default[k] for k in ("schedule", "policy", "optimizer", "predict_from", "muon_scale", "lr")} == \
+        {"schedule": "async-1f1b", "policy": "pipeoptim", "optimizer": "muon", "predict_from": "last_update",
+         "muon_scale": "adamw", "lr": ASYNC_1F1B_MUON_LR}
+    made = _optimizer(default)([torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3))])
+    groups = {type(o).__name__: o.param_groups[0] for o in made}
+    assert groups["Muon"]["weight_decay"] == groups["AdamW"]["weight_decay"] == 0.1
+    assert groups["Muon"]["momentum"] == 0.95 and groups["Muon"]["adjust_lr_fn"] == "match_rms_adamw"
+    # the other optimizers keep their own defaults, and Muon's flags do not follow them there
+    adamw = cfg("--optimizer", "adamw")
+    assert (adamw["predict_from"], adamw["muon_scale"], adamw["lr"]) == ("optimizer", None, 7.5e-4)
+    assert cfg("--policy", "stash")["predict_from"] == "optimizer"  # stashing predicts nothing
+    with pytest.raises(ConfigError, match="--muon-scale original sets how Muon scales its update, but the "
+                                          "optimizer is adamw"):
+        cfg("--optimizer", "adamw", "--muon-scale", "original")
+    with pytest.raises(ConfigError, match="--optimizer muon has no prediction rule of its own"):
+        cfg("--predict-from", "optimizer")
+
+
+def test_a_resume_with_another_muon_scale_is_refused_naming_it(tmp_path, capsys, one_thread):
+    # Muon's scale changed its default with the main job's: a checkpoint written at torch's own scale resumed
+    # without --muon-scale would continue at another step size, silently
+    common = [*TINY, "--save-every", "2", "--run-dir", str(tmp_path)]
+    assert main([*common, "--steps", "2", "--muon-scale", "original"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--steps", "3", "--resume"]) == 2
+    assert ("was written with --muon-scale original and this run asks for --muon-scale adamw: Muon's steps would "
+            "change size") in capsys.readouterr().err
+    assert main([*common, "--steps", "3", "--resume", "--muon-scale", "original"]) == 0
 
 
 def _items(tree, prefix=""):

@@ -91,7 +91,8 @@ def test_linear_warmup_refuses_a_length_that_is_no_whole_positive_number():
 
 def test_cli_muon_scale_adamw_gives_both_optimizers_the_lr_and_weight_decay():
     """--muon-scale adamw: Muon's update at AdamW's RMS (torch's adjust_lr_fn='match_rms_adamw'), AdamW beside it
-    at the same --lr, --weight-decay on both; the default keeps torch's own scaling and AdamW at 1e-3."""
+    at the same --lr, --weight-decay on both, and it is the default (weight decay 0.1); 'original' keeps torch's
+    own scaling and AdamW at 1e-3."""
     from pipeoptim.optim import as_optimizer
     params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(3))]
     made = _optimizer({"optimizer": "muon", "lr": 2e-3, "weight_decay": 0.1, "muon_scale": "adamw"})(params)
@@ -100,7 +101,11 @@ def test_cli_muon_scale_adamw_gives_both_optimizers_the_lr_and_weight_decay():
     assert by_kind["Muon"]["lr"] == by_kind["AdamW"]["lr"] == 2e-3
     assert by_kind["Muon"]["weight_decay"] == by_kind["AdamW"]["weight_decay"] == 0.1
     assert by_kind["Muon"]["momentum"] == 0.95
-    plain = {type(o).__name__: o.param_groups[0] for o in _optimizer({"optimizer": "muon", "lr": 2e-3})(params)}
+    default = {type(o).__name__: o.param_groups[0] for o in _optimizer({"optimizer": "muon", "lr": 2e-3})(params)}
+    assert default["Muon"]["adjust_lr_fn"] == "match_rms_adamw" and default["AdamW"]["lr"] == 2e-3
+    assert default["Muon"]["weight_decay"] == default["AdamW"]["weight_decay"] == 0.1
+    plain = {type(o).__name__: o.param_groups[0]
+             for o in _optimizer({"optimizer": "muon", "lr": 2e-3, "muon_scale": "original"})(params)}
     assert plain["Muon"]["adjust_lr_fn"] in (None, "original") and plain["AdamW"]["lr"] == 1e-3
     assert as_optimizer(made) is not None
 
