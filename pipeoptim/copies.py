@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .runtime.plan import ConfigError
+from .errors import ConfigError
 from .schedules.actions import Chunk
 
 __all__ = ["check_copies", "copy_starts"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..schedules.schedule import Schedule
-from .plan import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["SCHEDULES", "ASYNC_POLICIES", "make_schedule", "check_policy", "schedule_names", "stages_for"]
 

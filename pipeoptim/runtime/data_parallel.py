@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["check_dp", "devices_per_replica", "replica_rows"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import rendezvous
-from .plan import ConfigError, PipelineError
+from ..errors import ConfigError, PipelineError
 from .watchdog import COLLECTIVE, DEFAULT_TIMEOUT_S, Watchdog
 
 __all__ = ["DistContext", "init_from_env", "current_watch", "watchdog_timeout_from_env", "torchrun_agent"]

@@ -51,7 +51,7 @@ import torch
 import torch.multiprocessing as mp
 
 from . import faults, rendezvous
-from .plan import ConfigError, PipelineError
+from ..errors import ConfigError, PipelineError
 
 __all__ = ["launch", "host_store", "JobInterrupted", "POLL_S", "sigterm_received"]
 

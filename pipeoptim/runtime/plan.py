@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..errors import ConfigError, PipelineError  # re-exported: the old import path keeps working
 from ..schedules.actions import (Backward, BackwardWeight, Chunk, Forward, Handoff, Recv, Send, Step, Sync,
                                  is_compute, weight_grad_action)
 from ..schedules.dataflow import Transfer, input_transfer, output_transfer
@@ -32,14 +33,6 @@ from ..schedules.timeline import run_timeline, unit_durations
 __all__ = ["Plan", "ConfigError", "PipelineError", "COMPUTE", "WEIGHT", "SYNC", "STEP"]
 
 COMPUTE, WEIGHT, SYNC, STEP = "compute", "weight", "sync", "step"  # the kinds of action in ``Plan.program``
-
-
-class ConfigError(ValueError):
-    """A pipeline configuration that cannot run; raised before any process starts, naming the rule and a fix."""
-
-
-class PipelineError(RuntimeError):
-    """An action failed on some rank; the message names the rank, the stage and the action."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .plan import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["serve", "is_loopback", "attempt_keys", "LAUNCH_ATTEMPT"]
 

@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..schedules.schedule import Schedule
-from .plan import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["TieGroup", "plan_ties", "check_ties"]
 
