@@ -19,7 +19,7 @@ from torch import nn
 
 import fault_harness as fh
 import fault_jobs as fj
-from pipeoptim import cli_train
+from pipeoptim.cli import train as cli_train
 from pipeoptim.runtime import checkpoint_files as files
 from pipeoptim.runtime.checkpoint_files import CheckpointError, CheckpointWarning
 from pipeoptim.train import Pipeline

@@ -1,4 +1,4 @@
-"""`pipeoptim prepare-data` (pipeoptim/cli_prepare.py): a text file becomes a prepared folder that `train --data`
+"""`pipeoptim prepare-data` (pipeoptim/cli/prepare.py): a text file becomes a prepared folder that `train --data`
 takes, said in one line; bad input is exit status 2 with a message naming the fix and nothing written."""
 from __future__ import annotations
 

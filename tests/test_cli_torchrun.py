@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeoptim.cli_torchrun import TorchrunEnv, torchrun_env
-from pipeoptim.cli_train import main
+from pipeoptim.cli.torchrun import TorchrunEnv, torchrun_env
+from pipeoptim.cli.train import main
 from pipeoptim.runtime.dist_env import torchrun_agent
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
@@ -73,7 +73,7 @@ def test_a_torchrun_command_line_is_told_from_one_that_mentions_it(argv, agent):
 
 CLAIMS = r'''
 import sys
-from pipeoptim.cli_train import main
+from pipeoptim.cli.train import main
 common = ["--model", "tiny", "--stages", "1", "--schedule", "1f1b", "--microbatches", "2", "--microbatch-size", "1",
           "--no-progress", "--save-every", "0", "--eval-every", "0", "--run-dir", sys.argv[1]]
 codes = [main(common + ["--steps", "2"]), main(common + ["--steps", "2"]),

@@ -1,4 +1,4 @@
-"""`pipeoptim train` (pipeoptim/cli_train.py): the Hugging Face model choices and every schedule train end to end;
+"""`pipeoptim train` (pipeoptim/cli/train.py): the Hugging Face model choices and every schedule train end to end;
 bad device requests fail before anything starts; a run directory is never silently overwritten; --resume applies
 a new --lr/--clip and refuses what cannot change; --data/--tokenizer train on the user's text; what a run leaves
 behind (strict history.json with validation points, loss.png) and what its progress bar says on a crowded CPU."""
@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from pipeoptim.cli_train import ASYNC_1F1B_MUON_LR, _optimizer, main
+from pipeoptim.cli.train import ASYNC_1F1B_MUON_LR, _optimizer, main
 from pipeoptim.runtime.plan import ConfigError
 
 
@@ -103,7 +103,7 @@ def test_update_every_sets_2bws_steps_per_window_and_a_resume_must_keep_them(tmp
     """--update-every M reaches the schedule, the pipeline and the learning-rate schedule's count of steps; M =
     --microbatches is one step per window; a resume with another M (another number of steps per window) is
     refused, naming both; a schedule other than 2bw refuses the flag."""
-    from pipeoptim import cli_train
+    from pipeoptim.cli import train as cli_train
     run = {"schedule": "2bw", "stages": 2, "microbatches": 4}
     assert cli_train._updates_per_window(run) == 2 and cli_train._updates_per_window({**run, "update_every": 4}) == 1
     common = [*TINY, "--schedule", "2bw", "--stream", "--eval-every", "0", "--run-dir", str(tmp_path)]
@@ -210,7 +210,7 @@ def test_without_lr_a_run_gets_its_pairs_measured_best_and_a_resume_keeps_the_ch
     # AdamW learned best at 7.5e-4, validation 2.051 against 2.223, 3 seeds). Each default pair now gets its
     # measured best; a resume without --lr keeps the checkpoint's, whatever the default says.
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
 
     def cfg(*flags):
         return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
@@ -240,7 +240,7 @@ def test_the_default_is_async_1f1b_with_pipeoptims_prediction_from_the_last_upda
     # users against; it is now the measured best asynchronous configuration of the main run, with every coupled
     # default (Muon's scale, its weight decay, PipeOptim's Δ, the lr) resolved to what was measured
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
 
     def cfg(*flags):
         return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
@@ -430,7 +430,7 @@ def test_train_flags_are_read_without_loading_torch():
     # the --delay-* choices come from pipeoptim.delay, which must not load torch for `pipeoptim train --help`
     import subprocess
     import sys
-    code = ("import sys, argparse; from pipeoptim.cli_train import add_arguments; "
+    code = ("import sys, argparse; from pipeoptim.cli.train import add_arguments; "
             "add_arguments(argparse.ArgumentParser()).parse_args(['--delay-lr', 'graphcore']); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -518,7 +518,7 @@ def test_a_resume_with_another_dp_says_what_changes_and_needs_allow_dp_change(tm
     assert "was written with --dp 1: 1 x 4 micro-batches x 1 sequences = 4 sequences per window; this run asks " \
            "for --dp 2: 2 x 4 micro-batches x 1 sequences = 8 sequences per window. The global batch changes" in err
     assert "Resume with --dp 1, or accept the change with --allow-dp-change" in err, err
-    from pipeoptim.cli_train import _check_dp_change
+    from pipeoptim.cli.train import _check_dp_change
     saved, mine = {"dp": 2, "microbatches": 4, "microbatch_size": 1}, {"dp": 1, "microbatches": 4, "microbatch_size": 1}
     _check_dp_change("ckpt", saved, mine, allowed=True)  # accepted, and said
     assert "--allow-dp-change: ckpt was written with --dp 2" in capsys.readouterr().err
@@ -598,7 +598,7 @@ def test_a_resume_after_the_tokenizers_files_changed_names_the_tokenizer(tmp_pat
 
 
 def test_outputs_come_from_the_newest_checkpoint_whose_meta_is_intact(tmp_path, capsys, one_thread):
-    from pipeoptim.cli_train import outputs_from_checkpoint
+    from pipeoptim.cli.train import outputs_from_checkpoint
     assert main([*TINY, "--schedule", "1f1b", "--run-dir", str(tmp_path), "--steps", "4", "--save-every", "2"]) == 0
     meta = tmp_path / "checkpoint" / "step-00000004" / "meta.pt"
     blob = bytearray(meta.read_bytes())
@@ -616,7 +616,7 @@ def test_the_loss_picture_says_tokens_for_a_prepared_tokenized_folder(tmp_path, 
     # a prepared folder of a tokenizer's ids, trained without --tokenizer, was plotted in nats/byte
     pytest.importorskip("matplotlib")
     import pipeoptim.viz as viz
-    from pipeoptim.cli_train import _write_outputs
+    from pipeoptim.cli.train import _write_outputs
     units = []
     monkeypatch.setattr(viz, "plot_training", lambda ax, history, unit, title: units.append(unit))
     cfg = {"model": "hf-gpt2", "stages": 2, "schedule": "1f1b", "policy": "none", "optimizer": "adamw"}

@@ -1,4 +1,4 @@
-"""`pipeoptim train --hf-config/--hf-set` (pipeoptim/cli_train.py): the CLI trains a Hugging Face family it had no
+"""`pipeoptim train --hf-config/--hf-set` (pipeoptim/cli/train.py): the CLI trains a Hugging Face family it had no
 --model for (Qwen3) from a config file the test writes, refuses a bad flag before anything runs, and a resume
 refuses a changed --hf-config/--hf-set or an edited config file."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from pipeoptim.cli_train import main  # noqa: E402
+from pipeoptim.cli.train import main  # noqa: E402
 
 
 def _qwen3(folder):

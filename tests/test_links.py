@@ -68,7 +68,7 @@ def test_straggler_spec():
 
 def test_train_flags_refuse_bad_specs_and_label_the_emulation():
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
     from pipeoptim.runtime.plan import ConfigError
 
     parser = build_parser()
@@ -104,7 +104,7 @@ def test_a_straggler_sleeps_factor_minus_one_times_its_op():
 
 def test_link_is_refused_across_machines_under_torchrun(monkeypatch):
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
     from pipeoptim.runtime.plan import ConfigError
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
@@ -121,7 +121,7 @@ def test_link_is_refused_across_machines_under_torchrun(monkeypatch):
 
 def test_link_is_refused_on_gpus_before_anything_starts():
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
     from pipeoptim.runtime.plan import ConfigError
 
     with pytest.raises(ConfigError, match="Use --device cpu with --link"):

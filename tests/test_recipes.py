@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeoptim import recipes
-from pipeoptim.cli_train import _optimizer, add_arguments, apply_recipe
+from pipeoptim.cli.train import _optimizer, add_arguments, apply_recipe
 from pipeoptim.runtime.plan import ConfigError
 from pipeoptim.train import Pipeline
 
@@ -111,7 +111,7 @@ def test_cli_muon_scale_adamw_gives_both_optimizers_the_lr_and_weight_decay():
 
 
 def test_cli_muon_scale_needs_muon():
-    from pipeoptim.cli_train import _check_prediction
+    from pipeoptim.cli.train import _check_prediction
     with pytest.raises(ConfigError, match="--muon-scale adamw sets how Muon scales its update, but the optimizer is "
                                           "adamw; use --optimizer muon or drop --muon-scale"):
         _check_prediction({"optimizer": "adamw", "policy": "pipeoptim", "muon_scale": "adamw"})
@@ -121,7 +121,7 @@ def test_cli_muon_scale_needs_muon():
 
 def test_every_recipe_trains_from_the_cli(tmp_path, capsys, one_thread):
     """`pipeoptim train --recipe NAME` runs end to end with the flags the recipe sets (Muon's included)."""
-    from pipeoptim.cli_train import main
+    from pipeoptim.cli.train import main
     for name in recipes.names():
         rc = main(["--model", "tiny", "--stages", "2", "--microbatches", "4", "--microbatch-size", "1", "--emulate",
                    "--no-progress", "--recipe", name, "--lr", "1e-3", "--steps", "4",
@@ -164,7 +164,7 @@ def test_a_recipe_without_lr_takes_the_lr_it_was_measured_at_or_refuses_another_
 
 
 def test_the_cli_runs_a_recipe_at_its_measured_lr(tmp_path, capsys, one_thread):
-    from pipeoptim.cli_train import main
+    from pipeoptim.cli.train import main
     rc = main(["--model", "tiny", "--stages", "4", "--microbatches", "4", "--microbatch-size", "1", "--emulate",
                "--no-progress", "--recipe", "async-transformer-muon", "--steps", "1", "--run-dir", str(tmp_path)])
     assert rc == 0, capsys.readouterr().err

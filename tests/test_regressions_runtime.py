@@ -87,7 +87,7 @@ def test_train_config_from_the_pipeoptim_command_is_picklable():
     import pickle
 
     from pipeoptim.cli import build_parser
-    from pipeoptim.cli_train import _config
+    from pipeoptim.cli.train import _config
     args = build_parser().parse_args(["train", "--steps", "1"])
     pickle.dumps(_config(args))
 

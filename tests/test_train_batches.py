@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeoptim import token_shards as ts
-from pipeoptim.cli_train import main
+from pipeoptim.cli.train import main
 from pipeoptim.train_batches import ShapeOnly, ShardBatches, TextBatches, for_rank
 
 TINY = ["--model", "tiny", "--stages", "2", "--microbatches", "4", "--microbatch-size", "1", "--emulate",

@@ -1,61 +1,13 @@
-"""The ``pipeoptim`` command: one entry point, subcommands registered in ``COMMANDS``.
-
-Each subcommand is a ``Command(help, add_arguments, run)``. ``add_arguments`` must stay cheap (it runs to build
-``--help``); ``run`` imports what it needs when it runs, so ``pipeoptim schedule`` never loads
-torch.distributed. To add a subcommand elsewhere in the package::
-
-    from pipeoptim.cli import register, lazy
-    register("train", "train a model through a pipeline", add_arguments, lazy("pipeoptim.cli_train", "run"))
-
-Run as ``pipeoptim ...`` (installed entry point) or ``python -m pipeoptim.cli ...``.
+"""``pipeoptim schedule`` and ``pipeoptim compare-schedules``: one schedule printed, drawn and timed; all of them
+tabulated (bubble, memory, traffic) by the simulator. Neither loads torch.distributed.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-__all__ = ["Command", "COMMANDS", "HelpFormatter", "register", "lazy", "build_parser", "main"]
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """``--help`` names every optional option's default: appended as "(default: X)" unless the help already
-    says "(default" itself (where X alone would not explain it); a switch's default is "off"."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (not action.option_strings or action.required or action.default is argparse.SUPPRESS
-                or "(default" in text):
-            return text
-        if action.nargs == 0:  # store_true and the like
-            return f"{text} (default: off)"
-        return f"{text} (default: %(default)s)"
-
-
-@dataclass(frozen=True)
-class Command:
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-             run: Callable[[argparse.Namespace], int]) -> None:
-    if name in COMMANDS:
-        raise ValueError(f"subcommand {name!r} is already registered")
-    COMMANDS[name] = Command(help, add_arguments, run)
-
-
-def lazy(module: str, attr: str) -> Callable[[argparse.Namespace], int]:
-    """A ``run`` function that imports ``module`` only when the subcommand runs."""
-    def run(args: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(module), attr)(args)
-    return run
+__all__ = ["schedule_arguments", "schedule_run", "compare_arguments", "compare_run", "format_table"]
 
 
 def _positive_int(text: str) -> int:
@@ -87,12 +39,12 @@ def _non_negative_float(text: str) -> float:
 
 
 def _schedule_names() -> tuple[str, ...]:
-    from .runtime.config import SCHEDULES  # the names only: no torch
+    from ..runtime.config import SCHEDULES  # the names only: no torch
     return SCHEDULES
 
 
 # ---- pipeoptim schedule ---------------------------------------------------------------------------------
-def _schedule_arguments(p: argparse.ArgumentParser) -> None:
+def schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=_schedule_names(), metavar="NAME", help="the schedule: %(choices)s")
     p.add_argument("--devices", "-D", type=_positive_int, required=True, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=_positive_int, required=True, help="micro-batches N")
@@ -128,15 +80,15 @@ def _weight_share_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _costs(forward: float, bwd_ratio: float, weight_share: float, **others):
-    from .sim import Costs
+    from ..sim import Costs
     backward = forward * bwd_ratio
     return Costs(forward=forward, backward=backward, backward_input=backward * (1 - weight_share),
                  backward_weight=backward * weight_share, **others)
 
 
-def _schedule_run(args: argparse.Namespace) -> int:
-    from .schedules import ScheduleConfigError, get_schedule, validate
-    from .sim import simulate
+def schedule_run(args: argparse.Namespace) -> int:
+    from ..schedules import ScheduleConfigError, get_schedule, validate
+    from ..sim import simulate
     try:
         schedule = get_schedule(args.name, args.devices, args.microbatches, chunks=args.chunks,
                                 concat=args.concat, bwd_ratio=args.bwd_ratio, update_every=args.update_every,
@@ -147,13 +99,13 @@ def _schedule_run(args: argparse.Namespace) -> int:
     validate(schedule)
     result = simulate(schedule, _costs(1.0, args.bwd_ratio, args.weight_share))
     if not args.no_grid:
-        from .viz import text_grid
+        from ..viz import text_grid
         print(text_grid(result))
     if args.png:
-        from .viz import save_png
+        from ..viz import save_png
         print(f"wrote {save_png(result, args.png)}")
     if args.trace:
-        from .viz import save_trace
+        from ..viz import save_trace
         print(f"wrote {save_trace(result, args.trace)}")
     if args.text:
         with open(args.text, "w") as f:
@@ -197,7 +149,7 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines + notes)
 
 
-def _compare_arguments(p: argparse.ArgumentParser) -> None:
+def compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", "-D", type=_positive_int, default=8, help="pipeline devices D")
     p.add_argument("--microbatches", "-N", type=_positive_int, default=32, help="micro-batches N")
     p.add_argument("--bwd-ratio", type=_positive_float, nargs="+", default=[1.0, 2.0],
@@ -213,11 +165,11 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--csv", help="write the table as CSV here (default: none)")
 
 
-def _compare_run(args: argparse.Namespace) -> int:
+def compare_run(args: argparse.Namespace) -> int:
     import csv
 
-    from .schedules import ScheduleConfigError
-    from .sim import compare
+    from ..schedules import ScheduleConfigError
+    from ..sim import compare
     by_ratio: dict[float, list[dict]] = {}
     for ratio in args.bwd_ratio:
         costs = _costs(1.0, ratio, args.weight_share, p2p_latency=args.p2p_latency,
@@ -244,54 +196,7 @@ def _compare_run(args: argparse.Namespace) -> int:
                     w.writerow({"bwd_ratio": ratio, **r})
         print(f"wrote {args.csv}")
     if args.png:
-        from .viz import save_comparison_png
+        from ..viz import save_comparison_png
         save_comparison_png(by_ratio, args.png, title=f"D={args.devices} N={args.microbatches}")
         print(f"wrote {args.png}")
     return 0
-
-
-register("schedule", "print, draw and time one schedule", _schedule_arguments, _schedule_run)
-register("compare-schedules", "tabulate bubble, memory and traffic of all schedules", _compare_arguments,
-         _compare_run)
-
-
-def _train_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_train import add_arguments
-    add_arguments(p)
-
-
-register("train", "train a small GPT (or a Hugging Face model) through a pipeline (4 local processes by default) "
-                  "on the standard library's source or on your text (--data)",
-         _train_arguments, lazy("pipeoptim.cli_train", "run"))
-
-
-def _prepare_arguments(p: argparse.ArgumentParser) -> None:
-    from .cli_prepare import add_arguments
-    add_arguments(p)
-
-
-register("prepare-data", "tokenize a corpus once into token shards that train --data reads by index",
-         _prepare_arguments, lazy("pipeoptim.cli_prepare", "run"))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pipeoptim", description="Pipeline-parallel training tools.",
-                                     allow_abbrev=False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    for name, cmd in COMMANDS.items():
-        # allow_abbrev off: "--resum" is an error, not --resume
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=HelpFormatter,
-                           allow_abbrev=False)
-        cmd.add_arguments(p)
-        p.set_defaults(_run=cmd.run)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

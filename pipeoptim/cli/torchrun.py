@@ -1,0 +1,145 @@
+"""``pipeoptim train`` under torchrun: every process torchrun starts is one rank of the job.
+
+Without torchrun, ``pipeoptim train`` starts its own ranks on this machine (``runtime.launch``). Started by
+torchrun (``torchrun ... -m pipeoptim.cli train ...``; torchrun's environment says so: TORCHELASTIC_RUN_ID,
+RANK, WORLD_SIZE), each process runs the same per-rank training instead, with the rank torchrun gave it, so
+one job can span machines (torchrun's ``--nnodes``, ``--rdzv-backend c10d``). The flags mean the same; the
+ones that belong to the local launcher (``--port``, ``--emulate``) are refused, and ``--stages`` must be the
+job's process count.
+
+The run directory is rank 0's to claim: it holds the run-directory lock, deletes an earlier run
+(``--overwrite``) or finds the checkpoint to resume from, after every rank has joined the process group and
+before any rank reads the directory; then it tells every rank the outcome (the checkpoint, or the error every
+rank exits with), as bytes in a broadcast, never a pickle. Checkpoints are written by every rank into that
+one directory: across machines it must be on a file system every node sees.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from . import train_job as job
+from .torchrun_env import TorchrunEnv, torchrun_env
+
+__all__ = ["TorchrunEnv", "torchrun_env", "check", "run_rank"]
+
+
+def check(args, tr: TorchrunEnv) -> None:
+    """ConfigError for flags that do not fit a torchrun job (every rank raises the same, before torch loads)."""
+    from ..errors import ConfigError
+    if args.emulate:
+        raise ConfigError("--emulate runs every stage in one process, but torchrun started this one as rank "
+                          f"{tr.rank} of {tr.world_size}: drop --emulate, or run pipeoptim train --emulate "
+                          "without torchrun")
+    if args.port is not None:
+        raise ConfigError(f"--port {args.port} is the local launcher's rendezvous port; under torchrun the "
+                          "rendezvous is torchrun's (--rdzv-endpoint HOST:PORT, or --master-port): drop --port")
+    dp = getattr(args, "dp", 1)
+    if args.stages * dp != tr.world_size:
+        given = f"--stages {args.stages}" + (f" x --dp {dp}" if dp > 1 else "")
+        raise ConfigError(f"torchrun started {tr.world_size} processes (WORLD_SIZE) but {given} needs "
+                          f"{args.stages * dp}: pipeoptim train runs one process per pipeline device and replica, so "
+                          f"pass --stages {tr.world_size // dp if tr.world_size % dp == 0 else tr.world_size}"
+                          f"{f' --dp {dp}' if dp > 1 and tr.world_size % dp == 0 else ''}, or start torchrun with "
+                          f"--nnodes x --nproc-per-node = {args.stages * dp}")
+
+
+def _share(text: str | None, ctx) -> str:
+    """Rank 0's ``text`` on every rank (UTF-8 bytes in two broadcasts: a length, then the bytes)."""
+    import torch
+    import torch.distributed as dist
+    dev = ctx.device
+    data = torch.tensor(list(text.encode()) if text is not None else [], dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    dist.broadcast(n, 0)
+    buf = data.to(dev) if ctx.rank == 0 else torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+    if buf.numel():
+        dist.broadcast(buf, 0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+_OK, _DONE, _ERROR = "ok:", "done:", "error:"
+
+
+def _claim(args, cfg: dict, ckpt_root: str) -> str:
+    """Rank 0: claim the run directory; ``ok:<checkpoint or empty>``, ``done:`` (nothing left to train, said
+    already) or ``error:<message>``."""
+    from ..runtime.checkpoint_files import CheckpointError
+    from ..errors import ConfigError
+    try:
+        if not job._claim_run_dir(args, ckpt_root):
+            return _OK
+        try:
+            directory, at, extra = job._resume_point(ckpt_root, cfg)
+        except (FileNotFoundError, CheckpointError) as e:
+            raise ConfigError(f"--resume: {e}") from None
+        if at >= args.steps:
+            job._nothing_to_do(at, args.steps, directory, extra)
+            return _DONE
+        print(f"resuming from {directory} (step {at} of {args.steps})", file=sys.stderr)
+        return _OK + directory
+    except ConfigError as e:
+        return _ERROR + str(e)
+
+
+def run_rank(args) -> int:
+    """This process's rank of ``pipeoptim train`` under torchrun; the same exit statuses as without it."""
+    import contextlib
+
+    from ..errors import ConfigError, PipelineError
+    tr = torchrun_env()
+    ckpt_root = os.path.join(args.run_dir, "checkpoint")
+    try:
+        check(args, tr)
+        cfg = job._config(args)
+    except ConfigError as e:
+        print(f"pipeoptim train: invalid configuration (rank {tr.rank}): {e}", file=sys.stderr)
+        return 2
+    cfg["local_ranks"] = tr.local_world_size
+    if args.watchdog_s is not None:  # the rendezvous is watched with it too
+        os.environ["PIPEOPTIM_WATCHDOG_S"] = str(args.watchdog_s)
+    from ..runtime.dist_env import init_from_env
+    try:
+        with contextlib.ExitStack() as held:
+            ctx = init_from_env(cfg["device"])
+            claimed = None
+            if tr.rank == 0:
+                try:
+                    held.enter_context(job._run_dir_lock(args.run_dir))
+                    claimed = _claim(args, cfg, ckpt_root)
+                except ConfigError as e:
+                    claimed = _ERROR + str(e)
+            if ctx.watch is not None and tr.rank != 0:
+                ctx.watch.doing("waiting for rank 0 to claim the run directory", 0)
+            try:
+                outcome = _share(claimed, ctx)
+            finally:
+                if ctx.watch is not None:
+                    ctx.watch.idle()
+            if outcome.startswith(_ERROR):
+                if tr.rank == 0:
+                    print(f"pipeoptim train: invalid configuration: {outcome[len(_ERROR):]}", file=sys.stderr)
+                return 2
+            if outcome == _DONE:
+                return 0
+            cfg["resume_from"] = outcome[len(_OK):] or None
+            t0 = time.perf_counter()
+            result = job.train_worker(cfg)
+    except KeyboardInterrupt:
+        if tr.rank == 0:
+            job._outputs_on_the_way_out(args.run_dir, cfg)
+        return 130
+    except PipelineError as e:
+        print(f"pipeoptim train: rank {tr.rank} failed: {e}", file=sys.stderr)
+        if tr.rank == 0:
+            job._outputs_on_the_way_out(args.run_dir, cfg)
+            if line := job._newest_checkpoint(ckpt_root, str(e)):
+                print(f"pipeoptim train: {line}", file=sys.stderr)
+        return 1
+    if tr.rank != 0:  # rank 0 speaks for the job; every rank holds the same losses (and the same stop)
+        if result.get("preempted"):
+            return 128 + signal.SIGTERM
+        return job.NONFINITE_EXIT if result.get("stopped") else 0
+    return job.report(result, cfg, args, t0)
