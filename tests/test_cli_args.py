@@ -76,7 +76,7 @@ def test_help_names_the_default_of_every_option(name):
         entry = entries[action.option_strings[0]]
         assert "(default" in entry, f"pipeoptim {name} --help: {entry!r} gives no default"
     if name == "train":
-        assert ("(default: 0.016 for async-1f1b with muon, the default pair; 0.00075 for async-1f1b with adamw; "
+        assert ("(default: 0.008 for async-1f1b with muon, the default pair; 0.00075 for async-1f1b with adamw; "
                 "0.003 otherwise") in entries["--lr"]
         for flag, default in [("--optimizer", "muon"), ("--run-dir", "runs/train"),
                               ("--seed", "0"), ("--schedule", "async-1f1b"), ("--emulate", "off")]:

@@ -38,7 +38,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon 
 DEFAULT_LR, ASYNC_1F1B_ADAMW_LR = 3e-3, 7.5e-4
 # The main job's default pair, asynchronous 1F1B + PipeOptim's prediction from the last update + Muon at AdamW's
 # scale: the best lr of the same 3-seed sweep, bracketed on both sides (docs/getting-started.md, "The main job").
-ASYNC_1F1B_MUON_LR = 1.6e-2
+ASYNC_1F1B_MUON_LR = 8e-3
 NONFINITE_EXIT = 3
 # what a resumed run must share with the checkpoint it resumes, and why (the rest may change: stages, schedule
 # with the same optimizer steps per window, micro-batch size, --steps, --data; --lr and --clip apply, said so)
