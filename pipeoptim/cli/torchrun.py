@@ -20,8 +20,11 @@ import signal
 import sys
 import time
 
-from . import train_job as job
+from .run_dir import _claim_run_dir, _newest_checkpoint, _resume_point, _run_dir_lock
 from .torchrun_env import TorchrunEnv, torchrun_env
+from .train_config import _config
+from .train_outputs import NONFINITE_EXIT, _nothing_to_do, _outputs_on_the_way_out, report
+from .train_rank import train_worker
 
 __all__ = ["TorchrunEnv", "torchrun_env", "check", "run_rank"]
 
@@ -69,14 +72,14 @@ def _claim(args, cfg: dict, ckpt_root: str) -> str:
     from ..runtime.checkpoint_files import CheckpointError
     from ..errors import ConfigError
     try:
-        if not job._claim_run_dir(args, ckpt_root):
+        if not _claim_run_dir(args, ckpt_root):
             return _OK
         try:
-            directory, at, extra = job._resume_point(ckpt_root, cfg)
+            directory, at, extra = _resume_point(ckpt_root, cfg)
         except (FileNotFoundError, CheckpointError) as e:
             raise ConfigError(f"--resume: {e}") from None
         if at >= args.steps:
-            job._nothing_to_do(at, args.steps, directory, extra)
+            _nothing_to_do(at, args.steps, directory, extra)
             return _DONE
         print(f"resuming from {directory} (step {at} of {args.steps})", file=sys.stderr)
         return _OK + directory
@@ -93,7 +96,7 @@ def run_rank(args) -> int:
     ckpt_root = os.path.join(args.run_dir, "checkpoint")
     try:
         check(args, tr)
-        cfg = job._config(args)
+        cfg = _config(args)
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration (rank {tr.rank}): {e}", file=sys.stderr)
         return 2
@@ -107,7 +110,7 @@ def run_rank(args) -> int:
             claimed = None
             if tr.rank == 0:
                 try:
-                    held.enter_context(job._run_dir_lock(args.run_dir))
+                    held.enter_context(_run_dir_lock(args.run_dir))
                     claimed = _claim(args, cfg, ckpt_root)
                 except ConfigError as e:
                     claimed = _ERROR + str(e)
@@ -126,20 +129,20 @@ def run_rank(args) -> int:
                 return 0
             cfg["resume_from"] = outcome[len(_OK):] or None
             t0 = time.perf_counter()
-            result = job.train_worker(cfg)
+            result = train_worker(cfg)
     except KeyboardInterrupt:
         if tr.rank == 0:
-            job._outputs_on_the_way_out(args.run_dir, cfg)
+            _outputs_on_the_way_out(args.run_dir, cfg)
         return 130
     except PipelineError as e:
         print(f"pipeoptim train: rank {tr.rank} failed: {e}", file=sys.stderr)
         if tr.rank == 0:
-            job._outputs_on_the_way_out(args.run_dir, cfg)
-            if line := job._newest_checkpoint(ckpt_root, str(e)):
+            _outputs_on_the_way_out(args.run_dir, cfg)
+            if line := _newest_checkpoint(ckpt_root, str(e)):
                 print(f"pipeoptim train: {line}", file=sys.stderr)
         return 1
     if tr.rank != 0:  # rank 0 speaks for the job; every rank holds the same losses (and the same stop)
         if result.get("preempted"):
             return 128 + signal.SIGTERM
-        return job.NONFINITE_EXIT if result.get("stopped") else 0
-    return job.report(result, cfg, args, t0)
+        return NONFINITE_EXIT if result.get("stopped") else 0
+    return report(result, cfg, args, t0)

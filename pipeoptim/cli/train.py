@@ -35,15 +35,31 @@ import os
 import sys
 import time
 
+from . import run_dir, train_arguments, train_config, train_outputs, train_rank
 from .help import HelpFormatter
+from .run_dir import *  # noqa: F401,F403  (every module's public names, as pipeoptim.cli.train.X)
+from .run_dir import (_check_dp_change, _claim_run_dir, _newest_checkpoint, _resume_point,  # noqa: F401
+                      _run_dir_lock)
 from .torchrun_env import torchrun_env
-from .train_job import *  # noqa: F401,F403  (the public names, as pipeoptim.cli.train.X)
-from .train_job import (ASYNC_1F1B_ADAMW_LR, ASYNC_1F1B_MUON_LR, DEFAULT_LR, __all__ as _job_names,  # noqa: F401
-                        _check_dp_change, _check_prediction, _claim_run_dir, _config, _newest_checkpoint,
-                        _nothing_to_do, _optimizer, _outputs_on_the_way_out, _resume_point, _run_dir_lock,
-                        _updates_per_window, _write_outputs, report, train_worker)
+from .train_arguments import *  # noqa: F401,F403
+from .train_arguments import add_arguments
+from .train_config import *  # noqa: F401,F403
+from .train_config import _check_prediction, _config, _optimizer, _updates_per_window  # noqa: F401
+from .train_outputs import *  # noqa: F401,F403
+from .train_outputs import _nothing_to_do, _outputs_on_the_way_out, _write_outputs, report
+from .train_rank import *  # noqa: F401,F403
+from .train_rank import train_worker
 
-__all__ = ["run", "register", "main", *_job_names]
+_PARTS = (train_arguments, train_config, run_dir, train_rank, train_outputs)
+__all__ = ["run", "register", "main", *(name for part in _PARTS for name in part.__all__)]
+
+
+def __getattr__(name: str):
+    """The parts' other helpers, as the single module this was had them (``pipeoptim.cli.train._hf_spec``)."""
+    for part in _PARTS:
+        if hasattr(part, name):
+            return getattr(part, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(args) -> int:
