@@ -109,6 +109,48 @@ def test_resume_into_another_optimizer_fails_with_the_reason_unless_weights_only
     assert b.step_count == 0 and not any(st.optimizer.state for w in b.workers for st in w.stages.values())
 
 
+def test_a_muon_checkpoint_resumes_into_another_cut(tmp_path):
+    # regression: Muon + AdamW is a ChainedOptimizer where a stage holds matrices and vectors, but Muon alone on a
+    # stage of matrices only (the embeddings, on 4 devices); the load compared the optimizers' names and refused
+    # a 2-stage checkpoint in 4 stages ("written with ChainedOptimizer(Muon, AdamW) but this pipeline uses
+    # ChainedOptimizer(Muon, AdamW), Muon"), which the CLI's default (Muon) met on every resume with more stages
+    from pipeoptim.optim import muon_at_adamw_scale
+    muon = muon_at_adamw_scale(1e-2)
+    from pipeoptim.models import GPTConfig
+
+    def pipe(devices, optimizer=muon):  # 4 blocks: on 4 devices the embeddings are a stage of their own
+        config = GPTConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=2, n_layers=4)
+        warmup = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: (k + 1) / 10)  # noqa: E731
+        return Pipeline(gpt_layers(config, seed=1), loss_fn=lm_loss, optimizer=optimizer, devices=devices,
+                        schedule="async-1f1b", policy="pipeoptim", policy_options={"delta": "last_update"},
+                        microbatches=4, emulate=True, lr_scheduler=warmup)
+    a = pipe(2)
+    a.train_step(rc.batch(0))
+    a.save(str(tmp_path))
+    b = pipe(4)
+    kinds = {type(st.optimizer).__name__ for w in b.workers for st in w.stages.values()}
+    assert kinds == {"ChainedOptimizer", "Muon"}, kinds  # the case itself: one stage of matrices only
+    b.load(str(tmp_path))
+    assert b.step_count == 1
+    for name, value in a.named_parameters().items():
+        assert torch.equal(b.named_parameters()[name], value), name
+    saved, loaded = _opt_state(a), _opt_state(b)  # Muon's momentum and AdamW's moments, by parameter
+    assert saved and saved.keys() == loaded.keys()
+    assert all(torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(loaded[k])) for k in saved)
+    # every stage's scheduler goes on from a's step (4 updates per window), whatever its groups: the lr of
+    # update 5 of the warm-up, and the schedule's next step after it
+    for w in b.workers:
+        for st in w.stages.values():
+            assert st.scheduler.last_epoch == 4
+            assert [g["lr"] for g in st.optimizer.param_groups] == pytest.approx([1e-2 * 5 / 10] *
+                                                                                 len(st.optimizer.param_groups))
+    assert torch.isfinite(torch.tensor(b.train_step(rc.batch(1))))
+    assert all(st.scheduler.last_epoch == 8 for w in b.workers for st in w.stages.values())
+    with pytest.raises(CheckpointError, match="written with optimizer ChainedOptimizer\\(Muon, AdamW\\) but this "
+                                              "pipeline uses SGD"):
+        pipe(4, rc.sgd).load(str(tmp_path))
+
+
 def test_a_damaged_part_is_named_and_the_root_falls_back(tmp_path):
     a = _gpt()
     for i in range(2):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import glob
 import os
 import pickle
+import re
 import shutil
 import warnings
 from collections import OrderedDict
@@ -121,6 +122,39 @@ def _optimizer_names(pipe) -> list[str]:
     """The optimizers' names; a ChainedOptimizer by its children's (Muon + AdamW is not SGD + AdamW)."""
     return sorted({repr(st.optimizer) if hasattr(st.optimizer, "children") else type(st.optimizer).__name__
                    for w in pipe.workers for st in w.stages.values()})
+
+
+def _load_scheduler(st, saved: dict, directory: str) -> None:
+    """The checkpoint's lr scheduler state into this stage's scheduler. The state was written by one stage and
+    holds a value per parameter group; a stage of another cut may have other groups (Muon alone on a stage of
+    matrices, Muon + AdamW where vectors join them). A LambdaLR then takes the saved step and computes each of its
+    own groups' lr from it; another scheduler cannot be carried over, and says so."""
+    scheduler = st.scheduler
+    groups = len(scheduler.optimizer.param_groups)
+    if len(saved.get("base_lrs", ())) in (0, groups):
+        scheduler.load_state_dict(saved)
+        return
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        raise CheckpointError(f"checkpoint {directory}: its {type(scheduler).__name__} state is of "
+                              f"{len(saved['base_lrs'])} parameter groups, stage {st.chunk.stage}'s optimizer has "
+                              f"{groups} (another cut of the model between stages); resume with the balance it was "
+                              "written with, or use a LambdaLR, which carries over to any cut")
+    scheduler.last_epoch, scheduler._step_count = saved["last_epoch"], saved.get("_step_count", 1)
+    lrs = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+def _optimizer_kinds(names) -> set[str]:
+    """The optimizer classes behind ``_optimizer_names``: 'ChainedOptimizer(Muon, AdamW)' is Muon and AdamW. A
+    stage holding only matrices gets Muon alone where another cut gives it Muon + AdamW, so the classes, not the
+    names, say whether a checkpoint's optimizer state fits this pipeline's."""
+    kinds = set()
+    for name in names:
+        inner = re.fullmatch(r"\w+\((.*)\)", name)
+        kinds.update(inner.group(1).split(", ") if inner else [name])
+    return kinds
 
 
 def _rank() -> int:
@@ -435,7 +469,10 @@ def load(pipe, directory: str, weights_only: bool = False, missing_ok: bool = Fa
     # each replica resumes its own statistics where the checkpoint has that replica, else replica 0's
     buffers = {**replica_buffers.get(0, {}), **replica_buffers.get(getattr(pipe, "dp_rank", 0), {})}
     mine = set(_optimizer_names(pipe))
-    if optimizers and optimizers != mine and not weights_only:
+    saved_kinds, my_kinds = _optimizer_kinds(optimizers), _optimizer_kinds(mine)
+    # a rank of a distributed pipeline holds some stages only, so some of the checkpoint's optimizers
+    fits = my_kinds <= saved_kinds if _distributed(pipe) else my_kinds == saved_kinds
+    if optimizers and not fits and not weights_only:
         raise CheckpointError(f"checkpoint {directory} was written with optimizer {', '.join(sorted(optimizers))} "
                               f"but this pipeline uses {', '.join(sorted(mine))}: one optimizer's state means "
                               "nothing to another. Resume with the same optimizer, or load the weights alone "
@@ -469,7 +506,7 @@ def load(pipe, directory: str, weights_only: bool = False, missing_ok: bool = Fa
             st.policy.load_state_dict({"params": {local: pol_state[name] for local, name in st.names.items()
                                                   if name in pol_state}})
             if st.scheduler is not None and sched is not None:
-                st.scheduler.load_state_dict(sched)
+                _load_scheduler(st, sched, directory)
     if not weights_only:
         pipe.step_count = steps
     pipe.loaded_from = directory
