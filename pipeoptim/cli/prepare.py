@@ -14,14 +14,9 @@ import os
 import sys
 import time
 
+from .arg_types import positive_int as _positive_int
+
 __all__ = ["add_arguments", "run"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _cores() -> int:

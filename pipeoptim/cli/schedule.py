@@ -7,35 +7,12 @@ import argparse
 import sys
 from typing import Sequence
 
+from .arg_types import non_negative_float as _non_negative_float
+from .arg_types import positive_float as _positive_float
+from .arg_types import positive_float_or_inf as _positive_float_or_inf
+from .arg_types import positive_int as _positive_int
+
 __all__ = ["schedule_arguments", "schedule_run", "compare_arguments", "compare_run", "format_table"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _positive_float_or_inf(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number or inf, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
-    return value
 
 
 def _schedule_names() -> tuple[str, ...]:

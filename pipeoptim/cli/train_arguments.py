@@ -6,9 +6,14 @@ answered before anything loads. The checks that need more than one flag at a tim
 from __future__ import annotations
 
 import argparse
-import math
 
 from ..delay import LR_RULES, MOMENTUM_RULES
+
+from .arg_types import non_negative_float as _non_negative_float
+from .arg_types import non_negative_int as _non_negative_int
+from .arg_types import port as _port
+from .arg_types import positive_float as _positive_float
+from .arg_types import positive_int as _positive_int
 
 __all__ = ["SIZES", "OPTIMIZERS", "DEFAULT_LR", "ASYNC_1F1B_ADAMW_LR", "ASYNC_1F1B_MUON_LR", "add_arguments",
            "default_lr", "recipe_names", "RECIPE_FLAGS", "apply_recipe"]
@@ -269,36 +274,3 @@ def _straggler_spec(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {text}")
-    return value
