@@ -49,6 +49,7 @@ import sys
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,15 @@ CANDIDATES = {
     "2bw-muon": dict(schedule="2bw", policy="2bw", optimizer="muon", beta1=0.95),
     "pipeoptim-2bw-muon": dict(schedule="2bw", policy="pipeoptim", optimizer="muon", beta1=0.95,
                                policy_options=dict(delta="last_update")),
+    # the same prediction doubled (γ = 2: ŵ = w − 2·s·lr·Δ), a look-ahead past the backward's weights: in the
+    # quadratic model (quadratic_delay_model.md) at β1 = 0.95 and one update of delay the most stable γ
+    # (lr·curvature up to 5.4 against 4.0 at γ = 1), and a faster contraction than γ = 1 at every lr·curvature > 0.1
+    "lookahead-2bw-muon": dict(schedule="2bw", policy="pipeoptim", optimizer="muon", beta1=0.95,
+                               policy_options=dict(delta="last_update", extrapolate=2.0)),
+    # PipeOptim + Muon on async 1F1B with twice the micro-batches in flight (in_flight=2: device d warms up with
+    # 2(D-d-1) forwards, which hides a slow link's latency): what the doubled staleness costs in updates
+    "pipeoptim-muon-inflight2": dict(schedule="async-1f1b", schedule_options=dict(in_flight=2), policy="pipeoptim",
+                                     optimizer="muon", beta1=0.95, policy_options=dict(delta="last_update")),
     # the synchronous baseline with the same Muon + AdamW (policy None: one micro-batch per step, as "sync")
     "sync-muon": dict(schedule="1f1b", policy=None, optimizer="muon", beta1=0.95),
 }
@@ -250,6 +260,8 @@ def method_config(method: str, devices: int, mbs: int, window: int) -> dict:
             return dict(schedule=c["schedule"], policy=None, microbatches=1), mbs
         kw = dict(schedule=c["schedule"], policy=c["policy"], microbatches=window,
                   policy_options=dict(c.get("policy_options", {})))
+        if c.get("schedule_options"):
+            kw["schedule_options"] = dict(c["schedule_options"])
         if c.get("delay"):
             kw["delay_hparams"] = dict(c["delay"])
         if c["schedule"] != "2bw":
@@ -301,6 +313,58 @@ def make_optimizer(name: str, lr: float, fused: bool = False, beta1: float = 0.9
     raise ValueError(f"unknown optimizer {name!r}; choose sgd, adam, adamw, nadam or muon")
 
 
+NEWTON_SCHULZ = ("torch", "bf16-in-fp32")
+
+
+def _bf16_newton_schulz_in_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                                eps: float) -> torch.Tensor:
+    """torch.optim.Muon's Newton–Schulz orthogonalisation (torch/optim/_muon.py: bf16 operands, five quintic
+    iterations) with every product computed in fp32 and rounded to bf16 where torch's bf16 operation rounds.
+
+    Why: on a CPU without bf16 arithmetic (AVX2) torch's bf16 matmul is ~20x slower than fp32 (a 64x256 pair
+    1.26 ms against 64 us on the EPYC here), and the orthogonalisation then dominates a Muon run. Operation by
+    operation the results are bit-equal to torch's on that CPU (each matmul and addmm, checked in
+    tests/test_bench_convergence.py); a different summation order still moves an element by one bf16 ulp now
+    and then, which the next iterations carry on, as another CPU's bf16 kernels would."""
+    a, b, c = ns_coefficients
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.bfloat16().float()
+
+    x = bf16(grad)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = bf16(x / bf16(x.norm()).clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = bf16(x @ x.T)
+        update = bf16(torch.addmm(gram, gram, gram, beta=b, alpha=c))
+        x = bf16(torch.addmm(x, update, x, beta=a))
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x.bfloat16()
+
+
+@contextmanager
+def newton_schulz(kind: str) -> Iterator[None]:
+    """Run torch.optim.Muon's orthogonalisation as `kind`: "torch" (its own, bf16) or "bf16-in-fp32"
+    (_bf16_newton_schulz_in_fp32, for CPUs without bf16 arithmetic). Benchmarks only: it replaces a private
+    function of torch.optim._muon while the block runs."""
+    if kind not in NEWTON_SCHULZ:
+        raise ValueError(f"newton_schulz must be one of {', '.join(NEWTON_SCHULZ)}, got {kind!r}")
+    from torch.optim import _muon
+    if kind == "torch":
+        yield
+        return
+    if not hasattr(_muon, "_zeropower_via_newtonschulz"):
+        raise RuntimeError("this torch's Muon has no _zeropower_via_newtonschulz to replace; use newton_schulz='torch'")
+    own = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = _bf16_newton_schulz_in_fp32
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = own
+
+
 def updates_per_call(kw: dict, devices: int) -> int:
     """Optimizer updates per train_step of a method's Pipeline arguments (2BW: one per D micro-batches)."""
     return kw["microbatches"] // (devices if kw["schedule"] == "2bw" else 1)
@@ -315,7 +379,7 @@ def build_pipeline(method: str, task: "Task", cfg: dict, window: int, balance=No
     from pipeoptim.train import Pipeline
     D = cfg["devices"]
     kw, mb_size = method_config(method, D, cfg["mbs"], window)
-    synchronous = get_schedule(kw["schedule"], D, kw["microbatches"]).synchronous
+    synchronous = get_schedule(kw["schedule"], D, kw["microbatches"], **kw.get("schedule_options", {})).synchronous
     own = CANDIDATES.get(method, {})
     optimizer = make_optimizer(own.get("optimizer", cfg["optimizer"]), cfg["lr"], fused and "optimizer" not in own,
                                beta1=own.get("beta1", 0.9))

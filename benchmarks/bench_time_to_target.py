@@ -124,12 +124,26 @@ class Workload:
     warmup: int = 0                # updates of linear lr warm-up, every method alike (0: none)
     runs: tuple[str, ...] = ()     # the asynchronous runs the study trains (default: ASYNC_RUNS)
     widen: int = 0                 # times the sweep may be widened by 2x past an edge that holds a method's best
+    start_lrs: dict = field(default_factory=dict)   # run -> its first sweep's lrs where not `lrs` (widening's grid)
+    costs_of: str = ""             # the workload whose measured costs this one's time model reads (default: its own)
+    newton_schulz: str = "torch"   # Muon's orthogonalisation in the runs (bench_convergence.newton_schulz)
+    reference: str = "pipeoptim"   # the method the report's paired differences are taken against
     train_sync: bool = True        # whether run_study trains the synchronous run (--only without "sync": no)
 
     def __post_init__(self):
         if self.updates % self.eval_every or any(self.window % d for d in self.depths):
             raise ValueError(f"workload {self.name}: updates must be a multiple of eval_every and window a multiple "
                              "of every depth (2BW updates once per D micro-batches)")
+        off_grid = {run: lr for run, lrs in self.start_lrs.items() for lr in lrs if lr not in self.lr_grid()}
+        if off_grid:
+            raise ValueError(f"workload {self.name}: start_lrs {off_grid} are not on the sweep's grid (lrs times "
+                             f"powers of 2, up to widen={self.widen} steps past each end): best_lr would ignore them")
+
+    def lr_grid(self) -> set[float]:
+        """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
+        lo, hi = min(self.lrs), max(self.lrs)
+        return (set(self.lrs) | {lo / 2 ** i for i in range(1, self.widen + 1)}
+                | {hi * 2 ** i for i in range(1, self.widen + 1)})
 
     @property
     def metric(self) -> str:
@@ -160,10 +174,28 @@ WORKLOADS = {w.name: w for w in [
     # bracketed, the section-6 asynchronous methods beside the candidates (bench_convergence.CANDIDATES); four
     # widenings (lr up to 3.2e-2), as synchronous Muon was still fastest at 8e-3, then at 1.6e-2
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
-             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=4,
+             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=6,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
                    "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon",
-                   "sync-muon", "2bw-muon")),
+                   "sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"),
+             # issue 43's candidates for closing 2BW + Muon's update gap start where 2BW + Muon's bests were
+             # (1.6e-2 at D = 8, 16; 3.2e-2 at D = 4), on the same grid; widening goes on from there
+             start_lrs={"pipeoptim-2bw-muon": (8e-3, 1.6e-2, 3.2e-2), "lookahead-2bw-muon": (8e-3, 1.6e-2, 3.2e-2)}),
+    # issue 43's update gap at D = 16, trained on a CPU without bf16 arithmetic: gpt16-async's model, data, warm-up
+    # and costs (its Xeon-measured time per update), the four Muon runs only, each swept here with the same
+    # fp32-computed bf16 orthogonalisation (torch's own is ~20x slower there), to 192 updates (the target 2.5
+    # falls at 77-106 in gpt16-async)
+    Workload("gpt16-lookahead", "gpt", (16,), "adamw", (8e-3, 1.6e-2, 3.2e-2), batch=16, updates=192,
+             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
+             widen=2, runs=("sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"), train_sync=False,
+             costs_of="gpt16-async", newton_schulz="bf16-in-fp32", reference="2bw-muon"),
+    # issue 43's in-flight depth: what twice the micro-batches in flight (in_flight=2, the latency-hiding variant
+    # of the regime map) costs PipeOptim + Muon on async 1F1B in updates to 2.5, against in_flight=1, both trained
+    # here as gpt16-lookahead's runs are; 768 updates (in_flight=1 needed 477 in gpt16-async)
+    Workload("gpt16-inflight", "gpt", (16,), "adamw", (2e-3, 4e-3, 8e-3), batch=16, updates=768,
+             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
+             widen=2, runs=("pipeoptim-muon", "pipeoptim-muon-inflight2"), train_sync=False,
+             costs_of="gpt16-async", newton_schulz="bf16-in-fp32", reference="pipeoptim-muon"),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -220,7 +252,13 @@ METHODS = {
     "bitpipe-muon": ("sync-muon", "bitpipe"),
     "zbv-muon": ("sync-muon", "zbv"),
     "2bw-muon": ("2bw-muon", "2bw"),
-    # (pipeoptim-2bw-muon, bench_convergence's candidate, was cut from the study for time after its first runs)
+    # issue 43: 2BW + Muon with its one update of delay predicted from the last update (PipeOptim), and twice that
+    # (a look-ahead: γ = 2, the quadratic model's most stable factor at β1 = 0.95 and one update of delay)
+    "pipeoptim-2bw-muon": ("pipeoptim-2bw-muon", "2bw"),
+    "lookahead-2bw-muon": ("lookahead-2bw-muon", "2bw"),
+    # the same schedule with twice the micro-batches in flight: timed as async-1f1b (communication is free here;
+    # bench_regime_map prices the latency it hides)
+    "pipeoptim-muon-inflight2": ("pipeoptim-muon-inflight2", "async-1f1b"),
 }
 ASYNC_RUNS = ("stash", "2bw", "spectrain", "pipeoptim-exact")
 # runs of a synchronous schedule: their updates do not depend on the depth, so they are trained once (devices 0)
@@ -234,7 +272,8 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
                  "nesterov": "stash", "pipeoptim-nadam": "pipeoptim", "stash-dc": "stash",
                  "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash",
                  "stash-muon": "stash-muon", "pipeoptim-muon": "pipeoptim-muon", "sync-muon": "none-muon",
-                 "2bw-muon": "2bw-muon", "pipeoptim-2bw-muon": "pipeoptim-2bw-muon"}
+                 "2bw-muon": "2bw-muon", "pipeoptim-2bw-muon": "pipeoptim-2bw-muon",
+                 "lookahead-2bw-muon": "pipeoptim-2bw-muon", "pipeoptim-muon-inflight2": "pipeoptim-muon"}   # γ changes what is predicted, not its cost
 # stage-cost variants measured with Muon + AdamW (bench_convergence's "muon"), not the workload's optimizer
 MUON_VARIANTS = {"none-muon": ("none", {}), "stash-muon": ("stash", {}),
                  "pipeoptim-muon": ("pipeoptim", {"delta": "last_update"}), "2bw-muon": ("2bw", {}),
@@ -360,8 +399,9 @@ def run_curve(workload: str, method: str, devices: int, lr: float, seed: int, up
     cfg = dict(devices=D, mbs=wl.batch, optimizer=wl.optimizer, lr=lr)
     pipe, mb_size, kw = bc.build_pipeline(method, task, cfg, wl.window, balance=wl.stage_balance(D),
                                           fused=wl.fused_optimizer, lr_scheduler=wl.lr_scheduler())
-    curve, diverged, loss = train_with_snapshots(pipe, task, wl, mb_size * kw["microbatches"],
-                                                 bc.updates_per_call(kw, D))
+    with bc.newton_schulz(wl.newton_schulz):
+        curve, diverged, loss = train_with_snapshots(pipe, task, wl, mb_size * kw["microbatches"],
+                                                     bc.updates_per_call(kw, D))
     finite = [v for _, v in curve if math.isfinite(v)]
     return {"workload": workload, "method": method, "devices": devices, "lr": lr, "seed": seed,
             "updates": wl.updates, "microbatch_size": mb_size, "diverged": diverged,
@@ -467,9 +507,8 @@ def sweep_runs(wl: Workload, rows: list[dict], run: str, devices: int) -> list[d
 
 
 def swept_lrs(wl: Workload) -> set[float]:
-    """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
-    lo, hi = min(wl.lrs), max(wl.lrs)
-    return set(wl.lrs) | {lo / 2 ** i for i in range(1, wl.widen + 1)} | {hi * 2 ** i for i in range(1, wl.widen + 1)}
+    """The sweep's lrs and those widening may add (Workload.lr_grid)."""
+    return wl.lr_grid()
 
 
 def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float | None:
@@ -490,7 +529,7 @@ def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
     runs = ("sync",) * wl.train_sync + wl.async_runs
     pairs = [(m, d) for m in runs for d in run_depths(wl, m)]
     if phase == "sweep":
-        return [(m, d, lr, wl.seeds[0]) for m, d in pairs for lr in wl.lrs]
+        return [(m, d, lr, wl.seeds[0]) for m, d in pairs for lr in wl.start_lrs.get(m, wl.lrs)]
     if phase in ("widen", "seeds"):
         pick, seeds = (widen_sweep, wl.seeds[:1]) if phase == "widen" else (best_lr, wl.seeds[1:])
         chosen = [(m, d, pick(wl, rows, m, d)) for m, d in pairs]
@@ -651,7 +690,8 @@ def _read_csv(path: str) -> list[dict]:
 
 
 def load_or_measure_costs(wl: Workload, out: str, measure: bool = True) -> "MeasuredCosts":
-    paths = [os.path.join(out, f"time_to_target_{wl.name}_{kind}.csv") for kind in ("layer_costs", "stage_costs")]
+    paths = [os.path.join(out, f"time_to_target_{wl.costs_of or wl.name}_{kind}.csv")
+             for kind in ("layer_costs", "stage_costs")]
     if not all(os.path.exists(p) for p in paths):
         if not measure:
             raise SystemExit(f"no measured costs in {out} for {wl.name}; run without --report first")
@@ -883,10 +923,10 @@ def report(wl: Workload, out: str) -> list[dict]:
               f"{' (headline target)' if ti == 0 else ''}\n")
         for D in wl.depths:
             at = [r for r in results if r.devices == D and r.method in METHODS]
-            ref = next((r for r in at if r.method == REFERENCE), None)
+            ref = next((r for r in at if r.method == wl.reference), None)
             print(f"D = {D}:\n")
             print("| method | lr (best of sweep) | updates to target (mean ± std) | reached | time per update, ms "
-                  "[N × micro-batch] | **time to target, s** | paired Δ vs pipeoptim, s | compute ∝ samples: "
+                  f"[N × micro-batch] | **time to target, s** | paired Δ vs {wl.reference}, s | compute ∝ samples: "
                   "time per update, ms / to target, s | diverged (sweep, seeds) | final " + wl.metric + " |")
             print("|---|---|---|---|---|---|---|---|---|---|")
             for r in sorted(at, key=_rank_key):
@@ -939,7 +979,7 @@ def _overview_table(wl: Workload, results: list[MethodResult], target: float) ->
         at = sorted((r for r in rows if r.devices == D), key=_rank_key)
         if at and _time_of(at[0]) is not None:
             first[D] = at[0].method
-    for name in METHODS:
+    for name in (m for m in METHODS if any(x.method == m for x in rows)):   # the methods this workload trains
         cells = []
         for D in wl.depths:
             r = next((x for x in rows if x.devices == D and x.method == name), None)

@@ -96,33 +96,10 @@ def measure_layer_memory(gpt_cfg: dict, samples: int = 4) -> LayerMemory:
 
 
 def deeper_async(name: str, devices: int, microbatches: int, in_flight: int):
-    """``async-1f1b`` or ``2bw`` whose device d warms up with in_flight x (D - d - 1) forwards (module docstring);
-    in_flight = 1 is the registry's schedule."""
+    """``async-1f1b`` or ``2bw`` whose device d warms up with in_flight x (D - d - 1) forwards (module docstring;
+    the schedules' own ``in_flight`` option); in_flight = 1 is the registry's schedule."""
     from pipeoptim.schedules import get_schedule
-    from pipeoptim.schedules.actions import Backward, Chunk, Forward, Step
-    from pipeoptim.schedules.schedule import Schedule
-
-    if in_flight == 1:
-        return get_schedule(name, devices, microbatches)
-    every = 1 if name == "async-1f1b" else devices
-    chunks = [[Chunk(0, d)] for d in range(devices)]
-    actions = []
-    for d in range(devices):
-        warm = min(in_flight * (devices - d - 1), microbatches)
-        order = [Forward(m, d) for m in range(warm)]
-        for i in range(microbatches - warm):
-            order += [Forward(warm + i, d), Backward(i, d)]
-        order += [Backward(m, d) for m in range(microbatches - warm, microbatches)]
-        acts, backwards = [], 0
-        for a in order:
-            acts.append(a)
-            if isinstance(a, Backward):
-                backwards += 1
-                if backwards % every == 0:
-                    acts.append(Step(d))
-        actions.append(acts)
-    params = {"in_flight": in_flight} if name == "async-1f1b" else {"update_every": devices, "in_flight": in_flight}
-    return Schedule(name, devices, microbatches, devices, chunks, actions, False, params)
+    return get_schedule(name, devices, microbatches, in_flight=in_flight)
 
 
 def _per_layer_stage(values, balance: list[int]) -> list[float]:

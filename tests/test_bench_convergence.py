@@ -181,3 +181,49 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
                 assert getattr(st.policy, "dc", 0.0) == dc.get(method, 0.0)
     with pytest.raises(ValueError, match="divisible by 4"):
         bc.method_config("pipeoptim-2bw", 4, 6, 8)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (256, 64), (64, 256), (37, 91), (5, 3)])
+def test_bf16_newton_schulz_in_fp32_matches_torchs_own(shape):
+    """The fp32-computed orthogonalisation rounds where torch's bf16 one rounds: one iteration agrees with torch's
+    to a bf16 ulp (summation order may differ between kernels), five stay within bf16's precision of it, with
+    the same singular values."""
+    import torch
+    from torch.optim import _muon
+    coefficients = (_muon.DEFAULT_A, _muon.DEFAULT_B, _muon.DEFAULT_C)
+    for seed in range(3):
+        grad = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+        one = _muon._zeropower_via_newtonschulz(grad, coefficients, 1, 1e-7).float()
+        ours = bc._bf16_newton_schulz_in_fp32(grad, coefficients, 1, 1e-7)
+        assert ours.dtype == torch.bfloat16 and ours.shape == grad.shape
+        ulp = one.abs().clamp(min=2.0 ** -126) * 2.0 ** -7      # one bf16 ulp (8 significant bits)
+        assert bool(((ours.float() - one).abs() <= ulp).all())
+        assert int((ours.float() != one).sum()) <= one.numel() // 100
+        five = _muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7).float()
+        ours5 = bc._bf16_newton_schulz_in_fp32(grad, coefficients, 5, 1e-7).float()
+        assert float((ours5 - five).norm() / five.norm()) < 2e-2
+        # the same orthogonalisation: singular values (float64) as torch's, its largest pulled into ~(0.5, 1.5)
+        sv, sv_torch = torch.linalg.svdvals(ours5.double()), torch.linalg.svdvals(five.double())
+        torch.testing.assert_close(sv, sv_torch, rtol=0, atol=2e-2)
+        assert 0.5 < float(sv.max()) < 1.5
+
+
+def test_newton_schulz_swaps_torchs_function_only_inside_the_block():
+    import torch
+    from torch.optim import _muon
+    own = _muon._zeropower_via_newtonschulz
+    with bc.newton_schulz("bf16-in-fp32"):
+        assert _muon._zeropower_via_newtonschulz is bc._bf16_newton_schulz_in_fp32
+        w = torch.nn.Parameter(torch.randn(8, 4))
+        opt = torch.optim.Muon([w], lr=0.02)
+        w.grad = torch.randn(8, 4)
+        opt.step()                                   # Muon runs through it
+        assert torch.isfinite(w).all()
+    assert _muon._zeropower_via_newtonschulz is own
+    with pytest.raises(RuntimeError, match="boom"), bc.newton_schulz("bf16-in-fp32"):
+        raise RuntimeError("boom")
+    assert _muon._zeropower_via_newtonschulz is own
+    with bc.newton_schulz("torch"):
+        assert _muon._zeropower_via_newtonschulz is own
+    with pytest.raises(ValueError, match="torch, bf16-in-fp32"), bc.newton_schulz("fp64"):
+        pass

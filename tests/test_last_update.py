@@ -166,3 +166,54 @@ def test_bf16_working_weights_read_the_prediction_of_the_fp32_masters():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), after + 2.0 * (after - before), rtol=1e-2, atol=1e-3)
     assert pol.last_update.buffers[0].dtype == torch.float32
+
+
+def test_extrapolate_scales_what_the_forward_reads():
+    """extrapolate=γ: the forward of s reads w + γ·s·u (the last update u), the backward the real weights."""
+    model = _model(bias=False)
+    pol = make_policy("pipeoptim", model, torch.optim.Muon(model.parameters(), lr=0.02), delta="last_update",
+                      mechanism="pointer", backend="eager", extrapolate=2.0)
+    record = []
+    _train(pol, model, 2, record)
+    before, after, _ = record[-1]
+    seen = []
+    handle = model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone().reshape(-1)))
+    with pol.forward("x", s=1):
+        model(_batch(9)).sum()
+    handle.remove()
+    n = model[0].weight.numel()
+    torch.testing.assert_close(seen[0], (after + 2.0 * (after - before))[:n], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[0].weight.detach().reshape(-1), after[:n], rtol=0, atol=0)
+    pol.discard("x")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["step-then-predict", "fused-step-predict"])
+def test_extrapolate_with_the_optimizers_own_rule_is_a_longer_prediction(fused):
+    """With the optimizer's own Δ (Adam), γ = 1.5 at s = 2 predicts what γ = 1 predicts at s = 3, through the
+    plain and the fused step+predict path alike."""
+    weights = []
+    for gamma, s in ((1.5, 2.0), (1.0, 3.0)):
+        model = _model()
+        pol = make_policy("pipeoptim", model, torch.optim.Adam(model.parameters(), lr=0.01), mechanism="pointer",
+                          backend="eager", extrapolate=gamma, fused=fused)
+        for i in range(3):
+            with pol.forward(i, s=0):
+                loss = model(_batch(i)).pow(2).mean()
+            with pol.backward(i):
+                loss.backward()
+            pol.step(next_s=s)
+        seen = []
+        handle = model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
+        with pol.forward("x", s=s):
+            model(_batch(9)).sum()
+        handle.remove()
+        pol.discard("x")
+        weights.append(seen[0])
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_extrapolate_refuses_what_is_not_a_positive_factor(bad):
+    model = _model()
+    with pytest.raises(ValueError, match="extrapolate is the factor"):
+        make_policy("pipeoptim", model, torch.optim.Adam(model.parameters(), lr=0.01), extrapolate=bad)

@@ -70,3 +70,18 @@ def test_pipeoptim_on_2bw_predicts_where_2bw_stashes(one_thread):
     assert a[0] == pytest.approx(b[0], rel=1e-6) and a[1] != b[1]
     first = pred.workers[0].stages[next(iter(pred.workers[0].stages))].policy
     assert first.memory_report()["prediction"] > 0
+
+
+def test_twice_the_micro_batches_in_flight_predict_twice_as_far(one_thread):
+    """async 1F1B with in_flight=2 (schedule_options): every forward reads w − s·lr·Δ with the deeper schedule's
+    s, which reaches 2·(D−1) on the first stage, and the pipeline trains."""
+    pipe = Pipeline(gpt_layers(rc.CFG, seed=1), loss_fn=lm_loss, optimizer=rc.adamw, devices=4,
+                    schedule="async-1f1b", schedule_options={"in_flight": 2}, policy="pipeoptim", microbatches=8,
+                    emulate=True, policy_options={"mechanism": "pointer"})
+    seen, worst = _record(pipe)
+    losses = [pipe.train_step(rc.batch(i % 2)) for i in range(4)]
+    s_of = version_difference(pipe.schedule)
+    assert seen and all(s == s_of[(stage, mb)] for stage, mb, s in seen)
+    assert max(s for stage, _, s in seen if stage == 0) == 6
+    assert worst[0] < 1e-6
+    assert losses[-1] < losses[0]

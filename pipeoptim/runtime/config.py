@@ -103,7 +103,7 @@ def make_schedule(name: str, devices: int, microbatches: int, **params) -> Sched
 def check_policy(schedule: Schedule, policy: str | None) -> str:
     """The weight policy to run: synchronous schedules use 'none' (one version); async ones need a name."""
     if policy is None:
-        return "none" if schedule.synchronous else ("2bw" if schedule.name == "2bw" else "pipeoptim")
+        policy = "none" if schedule.synchronous else ("2bw" if schedule.name == "2bw" else "pipeoptim")
     if policy not in ASYNC_POLICIES:  # a registered one, maybe: only then load the registry (and torch)
         from ..policies import POLICIES
         if policy not in POLICIES:
@@ -115,4 +115,13 @@ def check_policy(schedule: Schedule, policy: str | None) -> str:
     if policy == "2bw" and schedule.name != "2bw":
         raise ConfigError("policy '2bw' accumulates gradients over several micro-batches and needs the '2bw' "
                           "schedule (which steps every update_every backwards); use schedule '2bw'")
+    in_flight = schedule.params.get("in_flight", 1)
+    if policy == "2bw" and in_flight > 1:
+        from ..schedules.staleness import max_version_difference
+        s = max(max_version_difference(schedule).values())
+        if s > 1:
+            raise ConfigError(f"policy '2bw' keeps two weight versions, enough for one update between a micro-batch's "
+                              f"forward and its backward; with in_flight={in_flight} the schedule has up to {s}. "
+                              "Use policy 'stash' (a version per micro-batch in flight) or 'pipeoptim' (predicted "
+                              "weights), or in_flight=1")
     return policy

@@ -61,6 +61,10 @@ def check_stream(schedule: Schedule) -> None:
         raise ConfigError(f"stream=True carries micro-batches in flight from one train_step to the next, which an "
                           f"asynchronous 1F1B order allows; schedule {name!r} is not one. Use one of "
                           f"{', '.join(STREAM_SCHEDULES)}, or leave stream off")
+    if schedule.params.get("in_flight", 1) != 1:
+        raise ConfigError(f"stream=True runs the schedule's own warm-up across calls; in_flight="
+                          f"{schedule.params['in_flight']} (a deeper warm-up) is measured in windows only. Leave "
+                          "stream off, or in_flight at 1")
     if N < D:
         raise ConfigError(f"stream=True needs at least as many micro-batches per train_step as pipeline devices "
                           f"(the window must reach the steady state); got microbatches={N} on {D} devices")

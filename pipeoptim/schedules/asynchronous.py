@@ -11,6 +11,10 @@ see different weight versions (``staleness.version_difference`` counts how many 
   micro-batch's gradient reaches the weights d steps later than in async-1f1b, so its forward is D-1 steps
   ahead of the update that applies it on every stage (``staleness.version_difference``).
 
+``in_flight`` = k (async-1f1b and 2bw): device d warms up with k·(D-d-1) forwards instead of D-d-1, so k times
+as many micro-batches are in flight. A slow link's latency is then hidden behind more work, at the price of k
+times the staleness (and of the activations of k times the micro-batches on the first devices).
+
 The window covers ``microbatches`` micro-batches: the warm-up, the steady state and the drain of a stream
 that a training run would continue indefinitely. ``Pipeline(stream=True)`` runs async-1f1b and 2bw as that
 stream: one fill, then every ``train_step`` a steady segment, a drain only when asked (``runtime.stream``).
@@ -25,12 +29,12 @@ from .zero_bubble import zb_h1_order
 __all__ = ["async_1f1b", "two_bw", "async_zb"]
 
 
-def _with_steps(devices: int, microbatches: int, every: int) -> list[list[Action]]:
+def _with_steps(devices: int, microbatches: int, every: int, in_flight: int = 1) -> list[list[Action]]:
     actions = []
     for d in range(devices):
         acts: list[Action] = []
         backwards = 0
-        for a in one_f_one_b_order(devices, microbatches, d):
+        for a in one_f_one_b_order(devices, microbatches, d, warmup=in_flight * (devices - d - 1)):
             acts.append(a)
             if isinstance(a, Backward):
                 backwards += 1
@@ -40,18 +44,22 @@ def _with_steps(devices: int, microbatches: int, every: int) -> list[list[Action
     return actions
 
 
-def async_1f1b(devices: int, microbatches: int) -> Schedule:
+def _in_flight_params(in_flight: int) -> dict:
+    return {} if in_flight == 1 else {"in_flight": in_flight}
+
+
+def async_1f1b(devices: int, microbatches: int, in_flight: int = 1) -> Schedule:
     chunks = [[Chunk(0, d)] for d in range(devices)]
     return Schedule("async-1f1b", devices, microbatches, devices, chunks,
-                    _with_steps(devices, microbatches, 1), False)
+                    _with_steps(devices, microbatches, 1, in_flight), False, _in_flight_params(in_flight))
 
 
-def two_bw(devices: int, microbatches: int, update_every: int | None = None) -> Schedule:
+def two_bw(devices: int, microbatches: int, update_every: int | None = None, in_flight: int = 1) -> Schedule:
     """PipeDream-2BW with one update every ``update_every`` = m micro-batches (default D)."""
     m = devices if update_every is None else update_every
     chunks = [[Chunk(0, d)] for d in range(devices)]
-    return Schedule("2bw", devices, microbatches, devices, chunks, _with_steps(devices, microbatches, m), False,
-                    {"update_every": m})
+    return Schedule("2bw", devices, microbatches, devices, chunks, _with_steps(devices, microbatches, m, in_flight),
+                    False, {"update_every": m, **_in_flight_params(in_flight)})
 
 
 def async_zb(devices: int, microbatches: int) -> Schedule:

@@ -69,7 +69,7 @@ def _multiple_of_devices(name: str, devices: int, microbatches: int) -> None:
 
 def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | None = None,
                  concat: str = "reference", bwd_ratio: float = 2.0,
-                 update_every: int | None = None, data_parallel: bool = False) -> Schedule:
+                 update_every: int | None = None, in_flight: int = 1, data_parallel: bool = False) -> Schedule:
     """Generate schedule ``name`` for ``devices`` pipeline ranks and ``microbatches`` micro-batches.
 
     chunks:        interleaved only: chunks per device v (default 2).
@@ -77,6 +77,8 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
                    (bidirectional.py).
     bwd_ratio:     chimera and bitpipe "paced": backward/forward cost ratio the order is planned for.
     update_every:  2bw only: micro-batches per weight update m (default D; must be >= D).
+    in_flight:     async-1f1b and 2bw: k times the warm-up forwards, so k times the micro-batches in flight
+                   (default 1; asynchronous.py).
     data_parallel: the pipeline is one of several data-parallel copies: add their gradient syncs
                    (``with_data_parallel``).
     """
@@ -93,6 +95,11 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
                                   "placement); drop it or use the interleaved schedule")
     if update_every is not None and name != "2bw":
         raise ScheduleConfigError(f"--update-every applies to the 2bw schedule only; drop it for {name}")
+    _need(isinstance(in_flight, int) and not isinstance(in_flight, bool) and in_flight >= 1,
+          f"in_flight multiplies the warm-up forwards and must be a positive integer (got {in_flight!r}); use 1 "
+          "(the schedule's own) or 2")
+    _need(in_flight == 1 or name in ("async-1f1b", "2bw"), f"in_flight applies to the async-1f1b and 2bw "
+          f"schedules only (the others' warm-up is fixed by their flush or split backward); drop it for {name}")
     if name in ("bitpipe", "chimera"):
         _need(concat in CONCATS, f"unknown concatenation {concat!r}; use one of {', '.join(CONCATS)}")
         _need(bwd_ratio > 0, f"the backward/forward cost ratio must be positive (got {bwd_ratio}); use "
@@ -109,9 +116,9 @@ def get_schedule(name: str, devices: int, microbatches: int, *, chunks: int | No
         "zb-h1": lambda: zb_h1(devices, microbatches),
         "zbv": lambda: zbv(devices, microbatches),
         "dualpipev": lambda: _dualpipev(devices, microbatches),
-        "async-1f1b": lambda: async_1f1b(devices, microbatches),
+        "async-1f1b": lambda: async_1f1b(devices, microbatches, in_flight),
         "async-zb": lambda: async_zb(devices, microbatches),
-        "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every),
+        "2bw": lambda: _two_bw(devices, microbatches, devices if update_every is None else update_every, in_flight),
     }
     schedule = build[name]()
     return with_data_parallel(schedule) if data_parallel else schedule
@@ -172,10 +179,10 @@ def _dualpipev(devices: int, microbatches: int) -> Schedule:
     return dualpipev(devices, microbatches)
 
 
-def _two_bw(devices: int, microbatches: int, m: int) -> Schedule:
+def _two_bw(devices: int, microbatches: int, m: int, in_flight: int = 1) -> Schedule:
     _need(isinstance(m, int) and m >= devices, f"2bw needs update_every >= devices (got {m} on {devices} "
           "devices): a stage may only update once its oldest in-flight micro-batch has finished, so that two "
           f"weight versions suffice; use --update-every {devices}")
     _need(microbatches % m == 0, f"2bw needs the number of micro-batches to be a multiple of update_every "
           f"(got {microbatches} micro-batches, update every {m}); use --microbatches {_multiples(microbatches, m)}")
-    return two_bw(devices, microbatches, m)
+    return two_bw(devices, microbatches, m, in_flight)

@@ -27,10 +27,10 @@ def gpipe(devices: int, microbatches: int) -> Schedule:
     return Schedule("gpipe", devices, microbatches, devices, chunks, actions, True)
 
 
-def one_f_one_b_order(devices: int, microbatches: int, device: int) -> list[Action]:
-    """Device ``device``'s 1F1B compute order: D-d-1 warm-up forwards, then forward/backward pairs, then the
-    remaining backwards. Stage 0 thus holds at most D micro-batches' activations."""
-    warmup = min(devices - device - 1, microbatches)
+def one_f_one_b_order(devices: int, microbatches: int, device: int, warmup: int | None = None) -> list[Action]:
+    """Device ``device``'s 1F1B compute order: D-d-1 warm-up forwards (or ``warmup``), then forward/backward
+    pairs, then the remaining backwards. Stage 0 thus holds at most D micro-batches' activations."""
+    warmup = min(devices - device - 1 if warmup is None else warmup, microbatches)
     acts: list[Action] = [Forward(m, device) for m in range(warmup)]
     for i in range(microbatches - warmup):
         acts += [Forward(warmup + i, device), Backward(i, device)]
