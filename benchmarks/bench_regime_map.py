@@ -57,6 +57,17 @@ METHODS = {
     "2bw-muon-inflight4": ("2bw-muon", "2bw", 4),
     "pipeoptim-muon-inflight2": ("pipeoptim-muon", "async-1f1b", 2),
 }
+# the D = 16 map from runs all trained on one machine with the same Muon (``--one-machine``): the update-gap
+# candidates (gpt16-lookahead) and PipeOptim + Muon at 1x and 2x the micro-batches in flight (gpt16-inflight), each
+# beside its own synchronous or 1x baseline; method -> (workload, run, schedule, in-flight multiple)
+ONE_MACHINE = {
+    **{f"{s}-muon": ("gpt16-lookahead", "sync-muon", s, 1) for s in ("gpipe", "1f1b", "interleaved", "bitpipe", "zbv")},
+    "2bw-muon": ("gpt16-lookahead", "2bw-muon", "2bw", 1),
+    "pipeoptim-2bw-muon": ("gpt16-lookahead", "pipeoptim-2bw-muon", "2bw", 1),
+    "lookahead-2bw-muon": ("gpt16-lookahead", "lookahead-2bw-muon", "2bw", 1),
+    "pipeoptim-muon": ("gpt16-inflight", "pipeoptim-muon", "async-1f1b", 1),
+    "pipeoptim-muon-inflight2": ("gpt16-inflight", "pipeoptim-muon-inflight2", "async-1f1b", 2),
+}
 SWEEP_LATENCIES = (1e-6, 1e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 SWEEP_BANDWIDTHS = {"10Gbit/s": 1.25e9, "100Mbit/s": 12.5e6}
 COLUMNS = ["profile", "devices", "uneven", "method", "time_to_target_s", "updates_mean", "seeds_reached", "seeds",
@@ -65,7 +76,20 @@ COLUMNS = ["profile", "devices", "uneven", "method", "time_to_target_s", "update
 
 
 def is_async(method: str) -> bool:
-    return METHODS[method][1] in ("async-1f1b", "2bw")
+    return (METHODS.get(method) or ONE_MACHINE[method])[-2] in ("async-1f1b", "2bw")
+
+
+def trained_in_flight(run: str) -> int:
+    """The in-flight multiple a convergence run trained with (a candidate's schedule_options; else 1)."""
+    return btt.bc.CANDIDATES.get(run, {}).get("schedule_options", {}).get("in_flight", 1)
+
+
+def resolve(spec: tuple, wl, rows: list[dict], runs_of: dict | None) -> tuple:
+    """(workload, runs, run, schedule, in_flight) of a METHODS or ONE_MACHINE entry."""
+    if len(spec) == 3:
+        return (wl, rows) + tuple(spec)
+    name, run, schedule, in_flight = spec
+    return btt.WORKLOADS[name], runs_of[name], run, schedule, in_flight
 
 
 def measured_updates(wl, rows: list[dict], run: str, devices: int) -> dict:
@@ -87,11 +111,15 @@ def settings(profiles) -> list[npj.Setting]:
     return out
 
 
-def regime_rows(wl, rows, costs, memory, depths, profiles, methods=METHODS) -> list[dict]:
+def regime_rows(wl, rows, costs, memory, depths, profiles, methods=METHODS, runs_of: dict | None = None) -> list[dict]:
+    """One row per (setting, depth, method). ``methods``: METHODS (updates from ``wl``'s ``rows``) or ONE_MACHINE
+    (each from its own workload's runs in ``runs_of``, by workload name)."""
     out = []
+    own_wl, own_rows = wl, rows
     for setting in settings(profiles):
         for D in depths:
-            for method, (run, schedule, in_flight) in methods.items():
+            for method, spec in methods.items():
+                wl, rows, run, schedule, in_flight = resolve(spec, own_wl, own_rows, runs_of)
                 row = {"profile": setting.profile, "devices": D, "uneven": setting.uneven, "method": method,
                        "schedule": schedule, "in_flight": in_flight,
                        "link": "" if setting.link is None else setting.link.describe()}
@@ -110,10 +138,10 @@ def regime_rows(wl, rows, costs, memory, depths, profiles, methods=METHODS) -> l
                 reached = [u for u in ups["per_seed"].values() if u is not None]
                 row.update(lr=ups["lr"], seeds=len(ups["per_seed"]), seeds_reached=len(reached),
                            updates_mean=round(statistics.mean(reached), 1) if reached else "")
-                if in_flight != 1:
+                if in_flight != trained_in_flight(run):
                     row.update(time_to_target_s="not measured", note=f"{in_flight}x the schedule's micro-batches in "
                                "flight: more staleness, whose updates to 2.5 were never measured (the updates "
-                               "shown are at 1x)")
+                               f"shown are at {trained_in_flight(run)}x)")
                 elif len(reached) < row["seeds"] or row["seeds"] < 3:
                     row.update(time_to_target_s="not reached",
                                note=f"reached 2.5 in {len(reached)} of {row['seeds']} seeds")
@@ -147,20 +175,23 @@ def winners(rows: list[dict]) -> list[dict]:
     return out
 
 
-def latency_sweep(wl, rows, costs, memory, devices: int = 16) -> list[dict]:
+def latency_sweep(wl, rows, costs, memory, devices: int = 16, methods=METHODS, runs_of: dict | None = None
+                  ) -> list[dict]:
     """Time to 2.5 of every measured method at one depth, even devices, latency swept at two bandwidths."""
     out = []
+    own_wl, own_rows = wl, rows
     for bw_name, bw in SWEEP_BANDWIDTHS.items():
         for latency in SWEEP_LATENCIES:
             setting = npj.Setting("sweep", Link(latency, bw))
-            for method, (run, schedule, in_flight) in METHODS.items():
-                if in_flight != 1:
+            for method, spec in methods.items():
+                wl, rows, run, schedule, in_flight = resolve(spec, own_wl, own_rows, runs_of)
+                if in_flight != trained_in_flight(run):
                     continue
                 ups = measured_updates(wl, rows, run, devices)
                 reached = [u for u in ups.get("per_seed", {}).values() if u is not None]
                 if len(reached) < 3 or len(reached) < len(ups["per_seed"]):
                     continue
-                timing = npj.project(costs, schedule, devices, btt.POLICY_OF_RUN[run], setting, memory)
+                timing = npj.project(costs, schedule, devices, btt.POLICY_OF_RUN[run], setting, memory, in_flight)
                 out.append({"bandwidth": bw_name, "latency_s": latency, "devices": devices, "method": method,
                             "asynchronous": is_async(method), "time_per_update_s": timing["time_s"],
                             "time_to_target_s": statistics.mean(reached) * timing["time_s"],
@@ -203,7 +234,7 @@ def write_csv(path: str, rows: list[dict], columns: list[str] | None = None) -> 
             w.writerow({k: r.get(k, "") for k in columns})
 
 
-def plot(win: list[dict], sweep: list[dict], out: str) -> None:
+def plot(win: list[dict], sweep: list[dict], out: str, suffix: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -227,9 +258,10 @@ def plot(win: list[dict], sweep: list[dict], out: str) -> None:
     ax.set_xticks(range(len(depths)), [f"D = {d}" for d in depths])
     ax.set_yticks(range(len(lines)), [f"{p}{' + uneven' if u else ''}" for p, u in lines])
     fig.colorbar(im, ax=ax, label="log2(best sync time / best async time): blue = async first")
-    ax.set_title("gpt16, time to validation loss 2.5 (measured updates x projected time per update)", fontsize=9)
+    ax.set_title("gpt16, time to validation loss 2.5 (measured updates x projected time per update)"
+                 + (", all runs on one machine" if suffix else ""), fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "regime_map.png"), dpi=110)
+    fig.savefig(os.path.join(out, f"regime_map{suffix}.png"), dpi=110)
     plt.close(fig)
     if not sweep:
         return
@@ -247,7 +279,7 @@ def plot(win: list[dict], sweep: list[dict], out: str) -> None:
     np.atleast_1d(axes)[0].set_ylabel("projected seconds to loss 2.5")
     np.atleast_1d(axes)[-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "regime_latency_sweep.png"), dpi=110)
+    fig.savefig(os.path.join(out, f"regime_latency_sweep{suffix}.png"), dpi=110)
     plt.close(fig)
 
 
@@ -258,43 +290,55 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="D = 4, free and internet only, no sweep (seconds)")
     p.add_argument("--report", action="store_true",
                    help="tables and pictures from the CSVs already in --out (no simulation)")
+    p.add_argument("--one-machine", action="store_true",
+                   help="the D = 16 map from the runs of gpt16-lookahead and gpt16-inflight (all trained on one "
+                        "machine with the same Muon): the update-gap candidates and 2x the micro-batches in flight "
+                        "beside their own baselines; files end in _one_machine")
     args = p.parse_args(argv)
+    suffix = "_one_machine" if args.one_machine else ""
     if args.report:
-        rows, sweep = read_back(args.out)
+        rows, sweep = read_back(args.out, suffix)
         win = winners(rows)
-        plot(win, sweep, args.out)
+        plot(win, sweep, args.out, suffix)
         print_report(win, sweep)
         return 0
     wl = btt.WORKLOADS[WORKLOAD]
-    runs = btt.read_runs(os.path.join(args.results, f"time_to_target_{wl.name}_runs.csv"))
-    if not runs:
-        raise SystemExit(f"no runs of {wl.name} in {args.results}; run bench_time_to_target.py --workload {wl.name}")
-    costs = btt.load_or_measure_costs(wl, args.results, measure=False)
+    sources = sorted({spec[0] for spec in ONE_MACHINE.values()}) if args.one_machine else [wl.name]
+    runs_of = {name: btt.read_runs(os.path.join(args.results, f"time_to_target_{name}_runs.csv")) for name in sources}
+    for name, runs in runs_of.items():
+        if not runs:
+            raise SystemExit(f"no runs of {name} in {args.results}; run bench_time_to_target.py --workload {name}")
+    costs = btt.load_or_measure_costs(wl, args.results, measure=False)   # every source's costs are gpt16-async's
     memory = npj.measure_layer_memory(btt.GPT16)
-    depths, profiles = ((4,), ("free", "internet")) if args.quick else (DEPTHS, PROFILE_ORDER)
+    if args.one_machine:
+        depths, profiles, methods = (16,), (("free", "internet") if args.quick else PROFILE_ORDER), ONE_MACHINE
+    else:
+        depths, profiles, methods = ((4,), ("free", "internet")) if args.quick else (DEPTHS, PROFILE_ORDER), METHODS
     os.makedirs(args.out, exist_ok=True)
-    rows = regime_rows(wl, runs, costs, memory, depths, profiles)
-    write_csv(os.path.join(args.out, "regime_map.csv"), rows, COLUMNS)
+    runs = runs_of.get(wl.name, [])
+    rows = regime_rows(wl, runs, costs, memory, depths, profiles, methods, runs_of)
+    write_csv(os.path.join(args.out, f"regime_map{suffix}.csv"), rows, COLUMNS)
     win = winners(rows)
-    write_csv(os.path.join(args.out, "regime_winners.csv"), win,
+    write_csv(os.path.join(args.out, f"regime_winners{suffix}.csv"), win,
               ["profile", "devices", "uneven", "first", "best_sync", "best_sync_s", "best_async", "best_async_s",
                "sync_over_async", "async_memory_over_gpipe"])
-    sweep = [] if args.quick else latency_sweep(wl, runs, costs, memory)
+    sweep = [] if args.quick else latency_sweep(wl, runs, costs, memory, methods=methods, runs_of=runs_of)
     if sweep:
-        write_csv(os.path.join(args.out, "regime_latency_sweep.csv"), sweep)
-    plot(win, sweep, args.out)
+        write_csv(os.path.join(args.out, f"regime_latency_sweep{suffix}.csv"), sweep)
+    plot(win, sweep, args.out, suffix)
     print_report(win, sweep)
     return 0
 
 
-def read_back(out: str) -> tuple[list[dict], list[dict]]:
-    """regime_map.csv and regime_latency_sweep.csv as ``regime_rows`` and ``latency_sweep`` return them."""
+def read_back(out: str, suffix: str = "") -> tuple[list[dict], list[dict]]:
+    """regime_map.csv and regime_latency_sweep.csv (names + ``suffix``) as ``regime_rows`` and ``latency_sweep``
+    return them."""
     def number(v: str):
         try:
             return float(v)
         except ValueError:
             return v
-    with open(os.path.join(out, "regime_map.csv"), newline="") as fh:
+    with open(os.path.join(out, f"regime_map{suffix}.csv"), newline="") as fh:
         rows = list(csv.DictReader(fh))
     for r in rows:
         r["devices"], r["uneven"] = int(r["devices"]), r["uneven"] == "True"
@@ -302,7 +346,7 @@ def read_back(out: str) -> tuple[list[dict], list[dict]]:
         if r["peak_activation_bytes"]:
             r["peak_activation_bytes"] = int(r["peak_activation_bytes"])
     sweep = []
-    path = os.path.join(out, "regime_latency_sweep.csv")
+    path = os.path.join(out, f"regime_latency_sweep{suffix}.csv")
     if os.path.exists(path):
         with open(path, newline="") as fh:
             sweep = list(csv.DictReader(fh))

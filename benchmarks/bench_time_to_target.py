@@ -1028,7 +1028,7 @@ def _sweep_table(wl: Workload, rows: list[dict]) -> None:
     lrs = sorted(lr for lr in swept_lrs(wl) if any(x["lr"] == lr for x in rows))
     print("| run | D | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | chosen |")
     print("|---|---|" + "---|" * len(lrs) + "---|")
-    for run in ("sync",) + wl.async_runs:
+    for run in ("sync",) * wl.train_sync + wl.async_runs:
         for d in run_depths(wl, run):
             cells = []
             for lr in lrs:

@@ -51,6 +51,36 @@ def test_rows_measured_and_not_measured():
     assert all(isinstance(r["peak_activation_bytes"], int) for r in rows if r["devices"] == 4)
 
 
+def _run(method, lr, seed, curve, devices=16):
+    return {"method": method, "devices": devices, "lr": lr, "seed": seed, "diverged": False, "final": curve[-1][1],
+            "curve": curve}
+
+
+def test_one_machine_rows_read_each_methods_own_workload_and_time_the_measured_in_flight_depth():
+    """ONE_MACHINE: each method's updates come from its own workload's runs (here made up: 2.5 crossed at 60, 90
+    and 120 updates), and a run trained at 2x in flight is timed at 2x, not marked "not measured"."""
+    wl = btt.WORKLOADS[rm.WORKLOAD]
+    costs = btt.load_or_measure_costs(wl, btt.RESULTS, measure=False)
+    memory = npj.measure_layer_memory(btt.GPT16)
+    crossing = lambda u: [[0, 5.5], [u - 10, 2.6], [u + 10, 2.4]]   # noqa: E731 - linear: 2.5 at u
+    look = btt.WORKLOADS["gpt16-lookahead"]
+    runs_of = {"gpt16-lookahead": [_run("sync-muon", look.lrs[0], s, crossing(60), devices=0) for s in look.seeds],
+               "gpt16-inflight": [_run("pipeoptim-muon-inflight2", 4e-3, s, crossing(120)) for s in look.seeds]
+               + [_run("pipeoptim-muon", 4e-3, s, crossing(90)) for s in look.seeds]}
+    methods = {m: rm.ONE_MACHINE[m] for m in ("zbv-muon", "pipeoptim-muon", "pipeoptim-muon-inflight2", "2bw-muon")}
+    rows = rm.regime_rows(wl, [], costs, memory, (16,), ("internet",), methods, runs_of)
+    by = {r["method"]: r for r in rows if not r["uneven"]}
+    assert by["zbv-muon"]["updates_mean"] == pytest.approx(60)
+    assert by["pipeoptim-muon"]["updates_mean"] == pytest.approx(90)
+    deep = by["pipeoptim-muon-inflight2"]
+    assert deep["updates_mean"] == pytest.approx(120) and deep["in_flight"] == 2
+    assert deep["time_to_target_s"] == pytest.approx(120 * deep["time_per_update_s"], rel=1e-6)
+    # its time per update is the 2x schedule's: under the internet's latency, less than at 1x
+    assert deep["time_per_update_s"] < by["pipeoptim-muon"]["time_per_update_s"]
+    assert by["2bw-muon"]["time_to_target_s"] == "not measured"                  # no runs given for it
+    assert rm.is_async("lookahead-2bw-muon") and not rm.is_async("zbv-muon")
+
+
 def test_crossing_latency_is_interpolated_in_log_latency():
     lat = rm.SWEEP_LATENCIES
     sweep = []
