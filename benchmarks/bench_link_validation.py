@@ -23,7 +23,8 @@ Diagnosis beside the target: each rank also records how late every message was h
 run a second time with that mean lateness added to the link's latency (``simulated_late_s``). The target is
 judged on ``simulated_s``, the nominal link.
 
-    python benchmarks/bench_link_validation.py                 # all six schedules, three settings
+    python benchmarks/bench_link_validation.py                 # all six schedules, the four settings, D = 4
+    python benchmarks/bench_link_validation.py --devices 2     # the same with one process per core (2 cores)
     python benchmarks/bench_link_validation.py --schedules 1f1b --steps 2 --out /tmp/lv   # a quick look
 
 Writes results/link_validation.csv: schedule, profile, devices, measured_s, simulated_s, plus straggler, link,
@@ -97,7 +98,7 @@ def _record_lateness(p2p, late: list) -> None:
     p2p._deliver = timed
 
 
-def rank_job(schedule: str, steps: int, warmup: int) -> list[dict]:
+def rank_job(schedule: str, steps: int, warmup: int, devices: int = DEVICES) -> list[dict]:
     """One rank: for each setting, ``warmup`` + ``steps`` train steps over the emulated link; returns per setting
     the slowest rank's step times and this rank's per-op medians."""
     import torch
@@ -110,7 +111,7 @@ def rank_job(schedule: str, steps: int, warmup: int) -> list[dict]:
 
     torch.manual_seed(0)
     first = parse_link(SETTINGS[0][1])
-    pipe = Pipeline(gpt_layers(GPTConfig(**GPT), seed=0), loss_fn=lm_loss, devices=DEVICES, schedule=schedule,
+    pipe = Pipeline(gpt_layers(GPTConfig(**GPT), seed=0), loss_fn=lm_loss, devices=devices, schedule=schedule,
                     microbatches=MICROBATCHES, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), link=first)
     worker = pipe.workers[0]
     out = []
@@ -140,14 +141,15 @@ def rank_job(schedule: str, steps: int, warmup: int) -> list[dict]:
     return out
 
 
-def simulate_setting(schedule: str, per_rank: list[dict], spec: str, extra_latency_s: float = 0.0) -> float:
+def simulate_setting(schedule: str, per_rank: list[dict], spec: str, extra_latency_s: float = 0.0,
+                     devices: int = DEVICES) -> float:
     """The simulator's makespan of ``schedule`` with the per-stage costs the ranks measured and the link (its
     latency plus ``extra_latency_s``)."""
     from pipeoptim.links import parse_link
     from pipeoptim.runtime.config import make_schedule
     from pipeoptim.sim import Costs, simulate
 
-    sched = make_schedule(schedule, DEVICES, MICROBATCHES)
+    sched = make_schedule(schedule, devices, MICROBATCHES)
     cost: dict = {}
     for rank in per_rank:
         for kind, stage, seconds in rank["ops"]:
@@ -188,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--devices", type=int, default=DEVICES, choices=(2, 4),
+                   help="pipeline devices, one process each (default 4; 2 gives each process a core of this "
+                        "2-core machine). The CSV keeps the rows of the other device count")
     args = p.parse_args(argv)
     from pipeoptim.runtime import launch
 
@@ -197,20 +202,26 @@ def main(argv=None) -> int:
                "within_15pct", "late_ms", "simulated_late_s", "microbatches", "steps", "machine"]
     rows = []
     where = machine()
+    kept = []
+    if os.path.exists(path):
+        with open(path, newline="") as fh:
+            kept = [r for r in csv.DictReader(fh) if int(r["devices"]) != args.devices]
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns)
         w.writeheader()
+        for r in kept:
+            w.writerow({k: r.get(k, "") for k in columns})
         for schedule in args.schedules:
             t0 = time.perf_counter()
-            per_rank = launch(rank_job, DEVICES, schedule, args.steps, args.warmup, timeout_s=900)
+            per_rank = launch(rank_job, args.devices, schedule, args.steps, args.warmup, args.devices, timeout_s=900)
             for i, (profile, spec, straggler) in enumerate(SETTINGS):
                 measured = statistics.median(per_rank[0][i]["times"])
-                simulated = simulate_setting(schedule, [r[i] for r in per_rank], spec)
+                simulated = simulate_setting(schedule, [r[i] for r in per_rank], spec, 0.0, args.devices)
                 err = simulated / measured - 1.0
                 lates = [x for r in per_rank for x in r[i]["late"]]
                 late = statistics.mean(lates) if lates else 0.0
-                simulated_late = simulate_setting(schedule, [r[i] for r in per_rank], spec, late)
-                row = {"schedule": schedule, "profile": profile, "devices": DEVICES, "measured_s": round(measured, 4),
+                simulated_late = simulate_setting(schedule, [r[i] for r in per_rank], spec, late, args.devices)
+                row = {"schedule": schedule, "profile": profile, "devices": args.devices, "measured_s": round(measured, 4),
                        "simulated_s": round(simulated, 4),
                        "straggler": f"device {straggler[0]} x{straggler[1]:g} (emulated)" if straggler else "none",
                        "link": "emulated: " + spec, "error": round(err, 4), "within_15pct": abs(err) <= TOLERANCE,
@@ -224,7 +235,7 @@ def main(argv=None) -> int:
                       f"simulated with it {simulated_late:.3f} s", flush=True)
             print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     met = sum(r["within_15pct"] for r in rows)
-    print(f"within 15 %: {met} of {len(rows)} rows -> {path}")
+    print(f"within 15 %: {met} of {len(rows)} rows at D = {args.devices} -> {path}")
     return 0
 
 
