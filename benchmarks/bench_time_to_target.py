@@ -124,7 +124,6 @@ class Workload:
     warmup: int = 0                # updates of linear lr warm-up, every method alike (0: none)
     runs: tuple[str, ...] = ()     # the asynchronous runs the study trains (default: ASYNC_RUNS)
     widen: int = 0                 # times the sweep may be widened by 2x past an edge that holds a method's best
-    start_lrs: dict = field(default_factory=dict)   # run -> its first sweep's lrs where not `lrs` (widening's grid)
     costs_of: str = ""             # the workload whose measured costs this one's time model reads (default: its own)
     newton_schulz: str = "torch"   # Muon's orthogonalisation in the runs (bench_convergence.newton_schulz)
     reference: str = "pipeoptim"   # the method the report's paired differences are taken against
@@ -134,10 +133,6 @@ class Workload:
         if self.updates % self.eval_every or any(self.window % d for d in self.depths):
             raise ValueError(f"workload {self.name}: updates must be a multiple of eval_every and window a multiple "
                              "of every depth (2BW updates once per D micro-batches)")
-        off_grid = {run: lr for run, lrs in self.start_lrs.items() for lr in lrs if lr not in self.lr_grid()}
-        if off_grid:
-            raise ValueError(f"workload {self.name}: start_lrs {off_grid} are not on the sweep's grid (lrs times "
-                             f"powers of 2, up to widen={self.widen} steps past each end): best_lr would ignore them")
 
     def lr_grid(self) -> set[float]:
         """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
@@ -174,13 +169,10 @@ WORKLOADS = {w.name: w for w in [
     # bracketed, the section-6 asynchronous methods beside the candidates (bench_convergence.CANDIDATES); four
     # widenings (lr up to 3.2e-2), as synchronous Muon was still fastest at 8e-3, then at 1.6e-2
     Workload("gpt16-async", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
-             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=6,
+             window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=4,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
                    "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon",
-                   "sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"),
-             # issue 43's candidates for closing 2BW + Muon's update gap start where 2BW + Muon's bests were
-             # (1.6e-2 at D = 8, 16; 3.2e-2 at D = 4), on the same grid; widening goes on from there
-             start_lrs={"pipeoptim-2bw-muon": (8e-3, 1.6e-2, 3.2e-2), "lookahead-2bw-muon": (8e-3, 1.6e-2, 3.2e-2)}),
+                   "sync-muon", "2bw-muon")),
     # issue 43's update gap at D = 16, trained on a CPU without bf16 arithmetic: gpt16-async's model, data, warm-up
     # and costs (its Xeon-measured time per update), the four Muon runs only, each swept here with the same
     # fp32-computed bf16 orthogonalisation (torch's own is ~20x slower there), to 192 updates (the target 2.5
@@ -529,7 +521,7 @@ def plan_runs(wl: Workload, rows: list[dict], phase: str) -> list[tuple]:
     runs = ("sync",) * wl.train_sync + wl.async_runs
     pairs = [(m, d) for m in runs for d in run_depths(wl, m)]
     if phase == "sweep":
-        return [(m, d, lr, wl.seeds[0]) for m, d in pairs for lr in wl.start_lrs.get(m, wl.lrs)]
+        return [(m, d, lr, wl.seeds[0]) for m, d in pairs for lr in wl.lrs]
     if phase in ("widen", "seeds"):
         pick, seeds = (widen_sweep, wl.seeds[:1]) if phase == "widen" else (best_lr, wl.seeds[1:])
         chosen = [(m, d, pick(wl, rows, m, d)) for m, d in pairs]

@@ -384,21 +384,6 @@ def test_sweep_is_widened_past_an_edge_that_holds_the_best_until_bracketed():
     assert planned == [("sync", 0, pytest.approx(4e-3), 0)]
 
 
-def test_a_run_with_its_own_start_lrs_sweeps_them_first_and_widens_on_the_same_grid():
-    wl = dataclasses.replace(ttt.WORKLOADS["gpt16"], lrs=(5e-4, 1e-3, 2e-3), widen=3, runs=("2bw",),
-                             start_lrs={"2bw": (4e-3, 8e-3)})
-    planned = ttt.plan_runs(wl, [], "sweep")
-    assert [p for p in planned if p[0] == "2bw"] == [("2bw", d, lr, 0) for d in wl.depths for lr in (4e-3, 8e-3)]
-    assert [p for p in planned if p[0] == "sync"] == [("sync", 0, lr, 0) for lr in wl.lrs]
-    rows = [_row("2bw", 4, 4e-3, 2.9), _row("2bw", 4, 8e-3, 2.8)]
-    assert ttt.widen_sweep(wl, rows, "2bw", 4) == pytest.approx(1.6e-2)
-    assert ttt.best_lr(wl, rows, "2bw", 4) == pytest.approx(8e-3)
-    with pytest.raises(ValueError, match="not on the sweep's grid"):
-        dataclasses.replace(wl, start_lrs={"2bw": (3e-3,)})
-    with pytest.raises(ValueError, match="not on the sweep's grid"):
-        dataclasses.replace(wl, start_lrs={"2bw": (3.2e-2,)})   # 2e-3 x 2^4: one widening too far
-
-
 def test_a_workload_reads_the_costs_of_the_one_it_names(tmp_path):
     wl = ttt.WORKLOADS["gpt16-lookahead"]
     assert wl.costs_of == "gpt16-async" and wl.newton_schulz == "bf16-in-fp32"
