@@ -243,7 +243,7 @@ def plot(win: list[dict], sweep: list[dict], out: str, suffix: str = "") -> None
     lines = [(p, u) for p in PROFILE_ORDER for u in (False, True) if any(w["profile"] == p for w in win)]
     depths = sorted({w["devices"] for w in win})
     grid = np.full((len(lines), len(depths)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.9 * len(depths) + 3, 0.55 * len(lines) + 1.6))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.9 * len(depths) + 3), 0.55 * len(lines) + 1.6))
     for i, (p, u) in enumerate(lines):
         for j, D in enumerate(depths):
             w = next(w for w in win if (w["profile"], w["uneven"], w["devices"]) == (p, u, D))
@@ -259,7 +259,7 @@ def plot(win: list[dict], sweep: list[dict], out: str, suffix: str = "") -> None
     ax.set_yticks(range(len(lines)), [f"{p}{' + uneven' if u else ''}" for p, u in lines])
     fig.colorbar(im, ax=ax, label="log2(best sync time / best async time): blue = async first")
     ax.set_title("gpt16, time to validation loss 2.5 (measured updates x projected time per update)"
-                 + (", all runs on one machine" if suffix else ""), fontsize=9)
+                 + ("\nall runs on one machine" if suffix else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(out, f"regime_map{suffix}.png"), dpi=110)
     plt.close(fig)
