@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     if args.one_machine:
         depths, profiles, methods = (16,), (("free", "internet") if args.quick else PROFILE_ORDER), ONE_MACHINE
     else:
-        depths, profiles, methods = ((4,), ("free", "internet")) if args.quick else (DEPTHS, PROFILE_ORDER), METHODS
+        (depths, profiles), methods = ((4,), ("free", "internet")) if args.quick else (DEPTHS, PROFILE_ORDER), METHODS
     os.makedirs(args.out, exist_ok=True)
     runs = runs_of.get(wl.name, [])
     rows = regime_rows(wl, runs, costs, memory, depths, profiles, methods, runs_of)

@@ -122,3 +122,14 @@ def test_the_committed_map_reads_back_to_its_winners():
     assert all(rm.is_async(w["first"]) for w in again if w["profile"] == "internet" and w["devices"] != 32)
     assert not any(rm.is_async(w["first"]) for w in again if w["profile"] == "nvlink" and w["devices"] != 32)
     assert rm.crossings(sweep)["10Gbit/s"]["above"] < rm.crossings(sweep)["100Mbit/s"]["above"]
+
+
+def test_quick_runs_end_to_end_and_its_report_reads_it_back(tmp_path, capsys):
+    """main(--quick): D = 4 under free and internet from the committed runs, written and read back by --report
+    (a regression test: the default mode once failed to unpack its settings after --one-machine was added)."""
+    assert rm.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows, sweep = rm.read_back(str(tmp_path))
+    assert {(r["profile"], r["devices"]) for r in rows} == {("free", 4), ("internet", 4)} and sweep == []
+    first = capsys.readouterr().out
+    assert rm.main(["--quick", "--out", str(tmp_path), "--report"]) == 0
+    assert "| internet | False | 4 |" in first and "| internet | False | 4 |" in capsys.readouterr().out
