@@ -99,6 +99,10 @@ CANDIDATES = {
     # 2(D-d-1) forwards, which hides a slow link's latency): what the doubled staleness costs in updates
     "pipeoptim-muon-inflight2": dict(schedule="async-1f1b", schedule_options=dict(in_flight=2), policy="pipeoptim",
                                      optimizer="muon", beta1=0.95, policy_options=dict(delta="last_update")),
+    # 2BW + Muon with 4x the micro-batches in flight: up to 4 updates between a forward and its backward, so a
+    # stash (a weight version per micro-batch in flight) instead of 2BW's two versions
+    "stash-2bw-muon-inflight4": dict(schedule="2bw", schedule_options=dict(in_flight=4), policy="stash",
+                                     optimizer="muon", beta1=0.95),
     # the synchronous baseline with the same Muon + AdamW (policy None: one micro-batch per step, as "sync")
     "sync-muon": dict(schedule="1f1b", policy=None, optimizer="muon", beta1=0.95),
 }

@@ -65,8 +65,8 @@ def test_one_machine_rows_read_each_methods_own_workload_and_time_the_measured_i
     crossing = lambda u: [[0, 5.5], [u - 10, 2.6], [u + 10, 2.4]]   # noqa: E731 - linear: 2.5 at u
     look = btt.WORKLOADS["gpt16-lookahead"]
     runs_of = {"gpt16-lookahead": [_run("sync-muon", look.lrs[0], s, crossing(60), devices=0) for s in look.seeds],
-               "gpt16-inflight": [_run("pipeoptim-muon-inflight2", 4e-3, s, crossing(120)) for s in look.seeds]
-               + [_run("pipeoptim-muon", 4e-3, s, crossing(90)) for s in look.seeds]}
+               "gpt16-inflight-long": [_run("pipeoptim-muon-inflight2", 8e-3, s, crossing(120)) for s in look.seeds],
+               "gpt16-inflight": [_run("pipeoptim-muon", 4e-3, s, crossing(90)) for s in look.seeds]}
     methods = {m: rm.ONE_MACHINE[m] for m in ("zbv-muon", "pipeoptim-muon", "pipeoptim-muon-inflight2", "2bw-muon")}
     rows = rm.regime_rows(wl, [], costs, memory, (16,), ("internet",), methods, runs_of)
     by = {r["method"]: r for r in rows if not r["uneven"]}
