@@ -143,8 +143,13 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         "sync-muon": ("1f1b", None, torch.optim.Muon, 0.95, None),
         "2bw-muon": ("2bw", "2bw", torch.optim.Muon, 0.95, None),
         "pipeoptim-2bw-muon": ("2bw", "pipeoptim", torch.optim.Muon, 0.95, None),
+        "lookahead-2bw-muon": ("2bw", "pipeoptim", torch.optim.Muon, 0.95, None),
+        "pipeoptim-muon-inflight2": ("async-1f1b", "pipeoptim", torch.optim.Muon, 0.95, None),
+        "stash-2bw-muon-inflight4": ("2bw", "stash", torch.optim.Muon, 0.95, None),
     }
     dc = {"stash-dc": 1.0, "stash-dc10": 10.0, "stash-dc100": 100.0, "stash-dc1000": 1000.0}
+    extrapolate = {"lookahead-2bw-muon": 2.0}
+    in_flight = {"pipeoptim-muon-inflight2": 2, "stash-2bw-muon-inflight4": 4}
     assert set(expect) == set(bc.CANDIDATES)
     for method, (schedule, policy, opt_type, beta1, rules) in expect.items():
         kw, size = bc.method_config(method, D, 8, window)
@@ -155,6 +160,7 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
         task = bc.Task("digits", 0)
         pipe, mb, kw = bc.build_pipeline(method, task, {**TINY, "devices": D}, window)
         pipe.train_step(task.batch(mb * kw["microbatches"]))
+        assert pipe.schedule.params.get("in_flight", 1) == in_flight.get(method, 1), method
         for w in pipe.workers:
             for st in w.stages.values():
                 if opt_type is torch.optim.Muon:   # Muon for the stage's 2-D weights, AdamW for the rest
@@ -168,6 +174,7 @@ def test_candidates_bring_their_schedule_policy_optimizer_and_delay_rules(one_th
                     assert group["adjust_lr_fn"] == "match_rms_adamw", method
                     if policy == "pipeoptim":
                         assert st.policy.delta == "last_update", method
+                        assert st.policy.extrapolate == extrapolate.get(method, 1.0), method
                 else:
                     assert type(st.optimizer) is opt_type, method
                     group = st.optimizer.param_groups[0]
