@@ -75,10 +75,13 @@ def test_prediction_is_the_last_applied_update(make):
     assert pol.memory_report()["last_update"] == after.numel() * 8
 
 
-def test_the_forward_reads_the_prediction_and_the_backward_the_real_weights():
+@pytest.mark.parametrize("options,gamma", [({}, 1.0), ({"extrapolate": 2.0}, 2.0)], ids=["default", "extrapolate-2"])
+def test_the_forward_reads_the_prediction_and_the_backward_the_real_weights(options, gamma):
+    """The forward of s = 1 reads w + γ·u (u the last update; γ = `extrapolate`, 1 by default), the backward the
+    real weights."""
     model = _model(bias=False)
     pol = make_policy("pipeoptim", model, torch.optim.Muon(model.parameters(), lr=0.02), delta="last_update",
-                      mechanism="pointer", backend="eager")
+                      mechanism="pointer", backend="eager", **options)
     record = []
     _train(pol, model, 2, record)
     before, after, _ = record[-1]
@@ -88,7 +91,7 @@ def test_the_forward_reads_the_prediction_and_the_backward_the_real_weights():
         model(_batch(9)).sum()
     handle.remove()
     n = model[0].weight.numel()
-    torch.testing.assert_close(seen[0], (2 * after - before)[:n], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(seen[0], (after + gamma * (after - before))[:n], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model[0].weight.detach().reshape(-1), after[:n], rtol=0, atol=0)
     pol.discard("x")
 
@@ -166,25 +169,6 @@ def test_bf16_working_weights_read_the_prediction_of_the_fp32_masters():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), after + 2.0 * (after - before), rtol=1e-2, atol=1e-3)
     assert pol.last_update.buffers[0].dtype == torch.float32
-
-
-def test_extrapolate_scales_what_the_forward_reads():
-    """extrapolate=γ: the forward of s reads w + γ·s·u (the last update u), the backward the real weights."""
-    model = _model(bias=False)
-    pol = make_policy("pipeoptim", model, torch.optim.Muon(model.parameters(), lr=0.02), delta="last_update",
-                      mechanism="pointer", backend="eager", extrapolate=2.0)
-    record = []
-    _train(pol, model, 2, record)
-    before, after, _ = record[-1]
-    seen = []
-    handle = model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone().reshape(-1)))
-    with pol.forward("x", s=1):
-        model(_batch(9)).sum()
-    handle.remove()
-    n = model[0].weight.numel()
-    torch.testing.assert_close(seen[0], (after + 2.0 * (after - before))[:n], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(model[0].weight.detach().reshape(-1), after[:n], rtol=0, atol=0)
-    pol.discard("x")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["step-then-predict", "fused-step-predict"])
