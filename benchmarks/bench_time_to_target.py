@@ -134,12 +134,6 @@ class Workload:
             raise ValueError(f"workload {self.name}: updates must be a multiple of eval_every and window a multiple "
                              "of every depth (2BW updates once per D micro-batches)")
 
-    def lr_grid(self) -> set[float]:
-        """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
-        lo, hi = min(self.lrs), max(self.lrs)
-        return (set(self.lrs) | {lo / 2 ** i for i in range(1, self.widen + 1)}
-                | {hi * 2 ** i for i in range(1, self.widen + 1)})
-
     @property
     def metric(self) -> str:
         return "acc" if self.task == "digits" else "loss"
@@ -161,6 +155,10 @@ class Workload:
 
 
 GPT16 = dict(seq_len=32, d_model=64, n_heads=4, n_layers=16)
+# gpt16-async's model, data, batch, warm-up and costs at D = 16, with Muon's orthogonalisation in fp32 (for a CPU
+# without bf16): the settings of the workloads trained on one machine for issue 43
+GPT16_ONE_MACHINE = dict(eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16),
+                         warmup=64, train_sync=False, costs_of="gpt16-async", newton_schulz="bf16-in-fp32")
 WORKLOADS = {w.name: w for w in [
     # lr: a pilot of synchronous training plateaued at 3.1 nats with 3e-3, so the sweep brackets 1e-3 from below
     Workload("gpt16", "gpt", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=512, eval_every=32,
@@ -177,29 +175,22 @@ WORKLOADS = {w.name: w for w in [
     # and costs (its Xeon-measured time per update), the four Muon runs only, each swept here with the same
     # fp32-computed bf16 orthogonalisation (torch's own is ~20x slower there), to 192 updates (the target 2.5
     # falls at 77-106 in gpt16-async)
-    Workload("gpt16-lookahead", "gpt", (16,), "adamw", (8e-3, 1.6e-2, 3.2e-2), batch=16, updates=192,
-             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
-             widen=2, runs=("sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"), train_sync=False,
-             costs_of="gpt16-async", newton_schulz="bf16-in-fp32", reference="2bw-muon"),
+    Workload("gpt16-lookahead", "gpt", (16,), "adamw", (8e-3, 1.6e-2, 3.2e-2), batch=16, updates=192, widen=2,
+             runs=("sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"), reference="2bw-muon",
+             **GPT16_ONE_MACHINE),
     # issue 43's in-flight depth: what twice the micro-batches in flight (in_flight=2, the latency-hiding variant
     # of the regime map) costs PipeOptim + Muon on async 1F1B in updates to 2.5, against in_flight=1, both trained
     # here as gpt16-lookahead's runs are; 768 updates (in_flight=1 needed 477 in gpt16-async)
-    Workload("gpt16-inflight", "gpt", (16,), "adamw", (2e-3, 4e-3, 8e-3), batch=16, updates=768,
-             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
-             widen=2, runs=("pipeoptim-muon", "pipeoptim-muon-inflight2"), train_sync=False,
-             costs_of="gpt16-async", newton_schulz="bf16-in-fp32", reference="pipeoptim-muon"),
+    Workload("gpt16-inflight", "gpt", (16,), "adamw", (2e-3, 4e-3, 8e-3), batch=16, updates=768, widen=2,
+             runs=("pipeoptim-muon", "pipeoptim-muon-inflight2"), reference="pipeoptim-muon", **GPT16_ONE_MACHINE),
     # 2x in flight did not reach 2.5 in 768 updates; over the internet it is first only if it does within ~900:
     # its best lr there (8e-3, by final loss) with 3 seeds to 1280 updates
     Workload("gpt16-inflight-long", "gpt", (16,), "adamw", (8e-3,), batch=16, updates=1280,
-             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
-             runs=("pipeoptim-muon-inflight2",), train_sync=False, costs_of="gpt16-async",
-             newton_schulz="bf16-in-fp32", reference="pipeoptim-muon-inflight2"),
+             runs=("pipeoptim-muon-inflight2",), reference="pipeoptim-muon-inflight2", **GPT16_ONE_MACHINE),
     # and 2BW + Muon at 4x in flight (the regime map's other latency-hiding variant), against gpt16-lookahead's
     # 2BW + Muon (1x: the same forward/backward weights, two versions suffice); 384 updates
-    Workload("gpt16-inflight-2bw", "gpt", (16,), "adamw", (8e-3, 1.6e-2), batch=16, updates=384,
-             eval_every=32, window=256, targets=(2.5, 2.4), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64,
-             widen=2, runs=("stash-2bw-muon-inflight4",), train_sync=False, costs_of="gpt16-async",
-             newton_schulz="bf16-in-fp32", reference="stash-2bw-muon-inflight4"),
+    Workload("gpt16-inflight-2bw", "gpt", (16,), "adamw", (8e-3, 1.6e-2), batch=16, updates=384, widen=2,
+             runs=("stash-2bw-muon-inflight4",), reference="stash-2bw-muon-inflight4", **GPT16_ONE_MACHINE),
     Workload("hfgpt2-async", "hfgpt2", (4, 8, 16), "adamw", (5e-4, 1e-3, 2e-3), batch=16, updates=320,
              eval_every=32, window=160, targets=(2.6, 2.5), gpt_cfg=GPT16, balance=gpt_balance(16), warmup=64, widen=2,
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-exact", "stash")),
@@ -278,8 +269,9 @@ POLICY_OF_RUN = {"sync": "none", "stash": "stash", "2bw": "2bw", "spectrain": "s
                  "zb-pipeoptim": "pipeoptim", "stash-dc10": "stash", "stash-dc100": "stash", "stash-dc1000": "stash",
                  "stash-muon": "stash-muon", "pipeoptim-muon": "pipeoptim-muon", "sync-muon": "none-muon",
                  "2bw-muon": "2bw-muon", "pipeoptim-2bw-muon": "pipeoptim-2bw-muon",
-                 "lookahead-2bw-muon": "pipeoptim-2bw-muon", "pipeoptim-muon-inflight2": "pipeoptim-muon",
-                 "stash-2bw-muon-inflight4": "2bw-muon"}   # timed as 2BW's work (its stash copies uncounted)   # γ changes what is predicted, not its cost
+                 "lookahead-2bw-muon": "pipeoptim-2bw-muon",     # γ changes what is predicted, not its cost
+                 "pipeoptim-muon-inflight2": "pipeoptim-muon",
+                 "stash-2bw-muon-inflight4": "2bw-muon"}   # timed as 2BW's work (its stash copies uncounted)
 # stage-cost variants measured with Muon + AdamW (bench_convergence's "muon"), not the workload's optimizer
 MUON_VARIANTS = {"none-muon": ("none", {}), "stash-muon": ("stash", {}),
                  "pipeoptim-muon": ("pipeoptim", {"delta": "last_update"}), "2bw-muon": ("2bw", {}),
@@ -513,8 +505,9 @@ def sweep_runs(wl: Workload, rows: list[dict], run: str, devices: int) -> list[d
 
 
 def swept_lrs(wl: Workload) -> set[float]:
-    """The sweep's lrs and those widening may add (Workload.lr_grid)."""
-    return wl.lr_grid()
+    """The sweep's lrs and those widening may add: up to `widen` factor-2 steps past each end."""
+    lo, hi = min(wl.lrs), max(wl.lrs)
+    return set(wl.lrs) | {lo / 2 ** i for i in range(1, wl.widen + 1)} | {hi * 2 ** i for i in range(1, wl.widen + 1)}
 
 
 def widen_sweep(wl: Workload, rows: list[dict], run: str, devices: int) -> float | None:
