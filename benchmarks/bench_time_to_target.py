@@ -171,11 +171,11 @@ WORKLOADS = {w.name: w for w in [
              runs=("pipeoptim-2bw", "2bw", "pipeoptim-2bw-b99", "pipeoptim-exact", "stash", "nesterov",
                    "pipeoptim-nadam", "stash-dc", "zb-pipeoptim", "stash-dc10", "stash-dc100", "stash-dc1000", "stash-muon", "pipeoptim-muon",
                    "sync-muon", "2bw-muon")),
-    # issue 43's update gap at D = 16, trained on a CPU without bf16 arithmetic: gpt16-async's model, data, warm-up
-    # and costs (its Xeon-measured time per update), the four Muon runs only, each swept here with the same
+    # issue 43's update gap at D = 4, 8, 16, trained on a CPU without bf16 arithmetic: gpt16-async's model, data,
+    # warm-up and costs (its Xeon-measured time per update), the four Muon runs only, each swept here with the same
     # fp32-computed bf16 orthogonalisation (torch's own is ~20x slower there), to 192 updates (the target 2.5
     # falls at 77-106 in gpt16-async)
-    Workload("gpt16-lookahead", "gpt", (16,), "adamw", (8e-3, 1.6e-2, 3.2e-2), batch=16, updates=192, widen=2,
+    Workload("gpt16-lookahead", "gpt", (4, 8, 16), "adamw", (8e-3, 1.6e-2, 3.2e-2), batch=16, updates=192, widen=2,
              runs=("sync-muon", "2bw-muon", "pipeoptim-2bw-muon", "lookahead-2bw-muon"), reference="2bw-muon",
              **GPT16_ONE_MACHINE),
     # issue 43's in-flight depth: what twice the micro-batches in flight (in_flight=2, the latency-hiding variant
