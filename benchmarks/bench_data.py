@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeoptim import token_shards as ts  # noqa: E402
+from pipeoptim.data import prepare_data as prep  # noqa: E402
+from pipeoptim.data import token_shards as ts  # noqa: E402
 from pipeoptim.data import _stdlib_files  # noqa: E402
 
 _DRAW = textwrap.dedent("""
@@ -33,11 +34,11 @@ _DRAW = textwrap.dedent("""
     torch.set_num_threads(1)
     kind, where, rows, seq_len, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     if kind == "prepared":
-        from pipeoptim.train_batches import ShardBatches
+        from pipeoptim.data.batches import ShardBatches
         batches = ShardBatches(where, seed=0, seq_len=seq_len, dp_rank=0, dp=1)
     else:
         from pipeoptim.data import text_corpus
-        from pipeoptim.train_batches import TextBatches
+        from pipeoptim.data.batches import TextBatches
         batches = TextBatches(text_corpus(where), seed=0, seq_len=seq_len, dp_rank=0, dp=1)
     for _ in range(20):
         batches.train(rows)
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         for tokenizer in (None, str(tmp / "tok.json")):
             for w in args.workers:
                 t0, c0 = time.perf_counter(), _cpu_seconds()
-                m = ts.prepare(tmp / "src", tmp / "out", tokenizer, workers=w, overwrite=True, progress=False)
+                m = prep.prepare(tmp / "src", tmp / "out", tokenizer, workers=w, overwrite=True, progress=False)
                 wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
                 tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
                 rows.append({"measure": "prepare-data", "tokenizer": "bytes" if tokenizer is None else f"BPE {vocab}",
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
                              "mb_per_s_per_worker": round(size / 1e6 / wall / w, 2), "cpu_seconds": round(cpu, 2),
                              "mb_per_cpu_s": round(size / 1e6 / cpu, 2), "us_per_batch": "", "rss_mib": ""})
                 print(rows[-1], flush=True)
-        ts.prepare(tmp / "src", tmp / "out", workers=max(args.workers), overwrite=True, progress=False)
+        prep.prepare(tmp / "src", tmp / "out", workers=max(args.workers), overwrite=True, progress=False)
         for kind, where in (("in-memory tensor (text_corpus)", tmp / "src"), ("prepared (pread)", tmp / "out")):
             out = subprocess.run([sys.executable, "-c", _DRAW, "prepared" if "prepared" in kind else "text",
                                   str(where), str(args.rows), str(args.seq_len), str(args.draws)],

@@ -198,7 +198,7 @@ def measure(cfg: dict) -> list[dict]:
     from pipeoptim.data import stdlib_corpus
     from pipeoptim.models import GPTConfig, gpt_init_fn, gpt_layers
     from pipeoptim.models.gpt import lm_loss
-    from pipeoptim.partition import balance_by_cost
+    from pipeoptim.stages.partition import balance_by_cost
     from pipeoptim.train import Pipeline
 
     emulate, device = cfg["mode"] == "emulate", cfg["device"]

@@ -37,9 +37,10 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from pipeoptim.flat import bind  # noqa: E402
+from pipeoptim.prediction.flat import bind  # noqa: E402
 from pipeoptim.policies import make_policy  # noqa: E402
-from pipeoptim.predictor import Predictor, SavedWeights, available_mechanisms, default_mechanism  # noqa: E402
+from pipeoptim.prediction.predictor import (Predictor, SavedWeights, available_mechanisms,  # noqa: E402
+                                            default_mechanism)
 
 RESULTS = HERE / "results"
 

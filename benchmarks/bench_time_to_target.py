@@ -632,7 +632,7 @@ TWO_BW_VARIANTS = ("2bw", "pipeoptim-2bw", "2bw-muon", "pipeoptim-2bw-muon")
 
 
 def _even(layers: int, devices: int) -> list[int]:
-    from pipeoptim.partition import balance_by_layers
+    from pipeoptim.stages.partition import balance_by_layers
     return balance_by_layers(layers, devices)
 
 

@@ -70,17 +70,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .copies import check_copies, copy_starts
-from .cpu_memory import keep_freed_memory
 from .delay import DelayAwareHParams, DelayRules, stage_delays
 from .optim import as_optimizer
-from .model_cut import ModelCut, StageModule, as_layers, timing_copy
-from .partition import balance_by_layers, balance_by_time, check_balance
 from .policies import make_policy
-from .recompute import parse_checkpoint_stages
 from .runtime.config import check_policy, make_schedule, stages_for
+from .runtime.cpu_memory import keep_freed_memory
 from .runtime.data_parallel import check_dp, devices_per_replica
-from .runtime.emulator import Emulator
+from .runtime.emulator import Emulator, emulated_device
 from .runtime.executor import Executor
 from .runtime.plan import ConfigError, Plan
 from .runtime.stream import Stream
@@ -88,6 +84,10 @@ from .runtime.tied import check_ties, plan_ties
 from .runtime.watchdog import COLLECTIVE
 from .runtime.worker import DeviceWorker, StageRuntime
 from .schedules.actions import Chunk
+from .stages.copies import check_copies, copy_starts
+from .stages.model_cut import ModelCut, StageModule, as_layers, timing_copy
+from .stages.partition import balance_by_layers, balance_by_time, check_balance
+from .stages.recompute import parse_checkpoint_stages
 
 __all__ = ["Pipeline", "StageModule", "NonFiniteError", "NONFINITE_POLICIES"]
 
@@ -97,26 +97,6 @@ NONFINITE_POLICIES = ("stop", "skip")
 class NonFiniteError(ArithmeticError):
     """Raised by ``train_step`` on every rank, at the same step, when the loss or a gradient was NaN or inf
     under ``on_nonfinite="stop"``; the updates with non-finite gradients were not applied."""
-
-
-def emulated_device(device) -> torch.device:
-    """The one device an emulated pipeline runs every stage on; asking for a GPU that is not there is an error,
-    never a silent CPU run."""
-    try:
-        tdev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
-    if tdev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device={device!r} but no GPU is visible (torch.cuda.is_available() is False); use "
-                              "device='cpu'")
-        if tdev.index is None:
-            tdev = torch.device("cuda", torch.cuda.current_device())
-        if tdev.index >= torch.cuda.device_count():
-            raise ConfigError(f"device={device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
-    elif tdev.type != "cpu":
-        raise ConfigError(f"device={device!r}: an emulated pipeline runs on 'cpu' or 'cuda'")
-    return tdev
 
 
 def _to(x, device):

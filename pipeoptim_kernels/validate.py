@@ -53,7 +53,8 @@ def check_flat(name: str, t: object, *, ref: torch.Tensor | None = None, dtypes=
         raise TypeError(f"{name} must be a torch.Tensor (a flat 1-D buffer), got {type(t).__name__}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be a flat 1-D buffer, got shape {tuple(t.shape)}; "
-                         f"pass {name}.view(-1) of a contiguous tensor, or use pipeoptim.flat to build flat buffers")
+                         f"pass {name}.view(-1) of a contiguous tensor, or use pipeoptim.prediction.flat to build "
+                         "flat buffers")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got stride {t.stride()}); pass {name}.contiguous() "
                          "or a slice of a flat buffer with stride 1")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import pipeoptim.predictor
+import pipeoptim.prediction.predictor
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_predictor.py"
 _spec = importlib.util.spec_from_file_location("bench_predictor", _PATH)
@@ -20,9 +20,9 @@ TINY = ["--mech-d", "64", "--mech-layers", "1", "--d", "32", "--layers", "1", "-
 
 @pytest.mark.parametrize("can_swap", [False, True])
 def test_every_row_runs_with_the_mechanisms_this_torch_has(can_swap, monkeypatch, tmp_path):
-    if can_swap and not pipeoptim.predictor._can_swap():
+    if can_swap and not pipeoptim.prediction.predictor._can_swap():
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_ (torch >= 2.12)")
-    monkeypatch.setattr(pipeoptim.predictor, "_can_swap", lambda: can_swap)
+    monkeypatch.setattr(pipeoptim.prediction.predictor, "_can_swap", lambda: can_swap)
     bench.main(TINY + ["--out-dir", str(tmp_path)])
     with open(tmp_path / "predictor_mechanisms.csv") as f:
         mechanisms = [r["variant"] for r in csv.DictReader(line for line in f if not line.startswith("#"))]

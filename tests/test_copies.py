@@ -1,4 +1,4 @@
-"""pipeoptim.copies: a parameter that starts as a copy of another stage's (tied embeddings, or their untied
+"""pipeoptim.stages.copies: a parameter that starts as a copy of another stage's (tied embeddings, or their untied
 copies under an asynchronous schedule), locally and, for meta-built stages, sent between processes."""
 from __future__ import annotations
 

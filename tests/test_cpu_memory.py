@@ -24,7 +24,7 @@ _FAULTS = textwrap.dedent("""
                  microbatches=2, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     elif sys.argv[1] == "call":
-        from pipeoptim.cpu_memory import keep_freed_memory
+        from pipeoptim.runtime.cpu_memory import keep_freed_memory
         print("applied", keep_freed_memory())
     flat = torch.nn.Parameter(torch.zeros(6_400_000))
     flat.grad = torch.full_like(flat, 1e-3)

@@ -1,4 +1,4 @@
-"""Tests of pipeoptim.flat: parameters, gradients and optimizer state live in flat buffers, and the
+"""Tests of pipeoptim.prediction.flat: parameters, gradients and optimizer state live in flat buffers, and the
 unmodified optimizer trains exactly as it does unbound, through state_dict round trips and zero_grad."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import pipeoptim_kernels as pk
-from pipeoptim.flat import bind, register_optimizer, rule_for
-from pipeoptim.predictor import Predictor, SavedWeights
+from pipeoptim.prediction.flat import bind, register_optimizer, rule_for
+from pipeoptim.prediction.predictor import Predictor, SavedWeights
 
 O = torch.optim
 CONFIGS = {

@@ -1,4 +1,5 @@
-"""The optimizer-agnostic "last update" prediction (pipeoptim.last_update, PipeOptimPolicy(delta="last_update")):
+"""The optimizer-agnostic "last update" prediction (pipeoptim.prediction.last_update,
+PipeOptimPolicy(delta="last_update")):
 ŵ = w + s·(lr_now/lr_t)·(w_t − w_{t−1}), checked against weights recorded here around each step; equal to the
 optimizer's own Δ where the module docstring says it is exact; works for optimizers without a rule (Muon, NAdam,
 chained ones); survives a checkpoint."""

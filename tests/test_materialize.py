@@ -1,4 +1,4 @@
-"""pipeoptim.materialize: meta layers made real and initialised from (seed, layer name) — the same bits as
+"""pipeoptim.stages.materialize: meta layers made real and initialised from (seed, layer name) — the same bits as
 building the layer normally under that seed; shared parameters stay shared; uninitialisable modules and
 init_fns that leave tensors on meta are errors naming them."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.materialize import (clone_structure, initialize, is_meta, layer_seed, materialize, replicate)
+from pipeoptim.stages.materialize import (clone_structure, initialize, is_meta, layer_seed, materialize, replicate)
 from pipeoptim.runtime.plan import ConfigError
 
 

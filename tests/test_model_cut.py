@@ -1,4 +1,4 @@
-"""pipeoptim.model_cut: the forms a model may take (layers, stage list, stage factory) and the errors for
+"""pipeoptim.stages.model_cut: the forms a model may take (layers, stage list, stage factory) and the errors for
 models that cannot be cut, named by layer or stage with the fix."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeoptim.model_cut import ModelCut, StageModule, as_layers
+from pipeoptim.stages.model_cut import ModelCut, StageModule, as_layers
 from pipeoptim.runtime.plan import ConfigError
 
 

@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import model_cases as mc  # noqa: E402
-from pipeoptim.materialize import initialize  # noqa: E402
+from pipeoptim.stages.materialize import initialize  # noqa: E402
 from pipeoptim.models.hf import causal_lm_layers  # noqa: E402
 from pipeoptim.runtime import launch  # noqa: E402
 from pipeoptim.train import Pipeline  # noqa: E402

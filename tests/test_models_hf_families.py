@@ -277,7 +277,7 @@ def test_a_meta_built_cut_is_the_real_models_cut_initialised_alike(family, one_t
                     seed=7)
     x, mask, labels = _batch(family)
     loss = pipe.train_step(((x, mask), labels))
-    from pipeoptim.materialize import initialize
+    from pipeoptim.stages.materialize import initialize
     model = _build(family)
     cut = cutter(model)
     for i, layer in enumerate(cut.layers):

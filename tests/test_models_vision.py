@@ -12,7 +12,7 @@ from torch.nn import functional as F
 torchvision = pytest.importorskip("torchvision")
 
 import model_cases as mc  # noqa: E402
-from pipeoptim.materialize import initialize  # noqa: E402
+from pipeoptim.stages.materialize import initialize  # noqa: E402
 from pipeoptim.models.vision import resnet_init, resnet_layers  # noqa: E402
 from pipeoptim.train import Pipeline  # noqa: E402
 

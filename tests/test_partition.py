@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pipeoptim.partition import balance_by_cost, balance_by_layers, balance_by_time, check_balance
+from pipeoptim.stages.partition import balance_by_cost, balance_by_layers, balance_by_time, check_balance
 from pipeoptim.runtime.plan import ConfigError
 
 
@@ -42,7 +42,7 @@ def test_profiled_balance_gives_the_heavy_layer_its_own_stage():
 
 
 def test_profiled_balance_is_the_min_max_cut_of_the_measured_costs(monkeypatch):
-    import pipeoptim.partition as part
+    import pipeoptim.stages.partition as part
     measured = {}
     real = part.profile_layers
 

@@ -1,4 +1,4 @@
-"""Tests of pipeoptim.predictor: predicted weights, the forward under prediction, backward semantics.
+"""Tests of pipeoptim.prediction.predictor: predicted weights, the forward under prediction, backward semantics.
 
 The references are independent of pipeoptim_kernels.rules: the float64 prediction ŵ = w − s·lr·Δ with Δ
 from torch.optim's update rules as tests/kernel_reference.py writes them, and gradients computed by hand (the output
@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 from kernel_reference import reference_delta
 
 import pipeoptim_kernels as pk
-from pipeoptim.flat import bind
-from pipeoptim.predictor import MECHANISMS, Predictor, SavedWeights, available_mechanisms, default_mechanism
+from pipeoptim.prediction.flat import bind
+from pipeoptim.prediction.predictor import MECHANISMS, Predictor, SavedWeights, available_mechanisms, default_mechanism
 
 NO_SWAP = pytest.mark.skipif("swap" not in available_mechanisms(),
                              reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch >= 2.12): "
@@ -578,9 +578,10 @@ def test_lend_refuses_nesting():
 def test_without_storage_swap_the_default_is_pointer_and_swap_says_which_torch(monkeypatch):
     """torch 2.11 (the GPU machine's) has no UntypedStorage._swap_data_ptr_: predictors there lend through
     parameter pointers, and asking for 'swap' names the torch release that has it."""
-    import pipeoptim.predictor
+    import pipeoptim.prediction.predictor
 
-    monkeypatch.setattr(pipeoptim.predictor, "_can_swap", lambda: False)  # a C type's method cannot be deleted
+    # a C type's method cannot be deleted
+    monkeypatch.setattr(pipeoptim.prediction.predictor, "_can_swap", lambda: False)
     assert default_mechanism() == "pointer" and available_mechanisms() == ("pointer", "inplace")
     model, optimizer, binding, saved, predictor, last = setup("mlp", "adam")
     assert predictor.mechanism == "pointer"

@@ -1,4 +1,4 @@
-"""Activation recomputation under every weight policy (pipeoptim.recompute, WeightPolicy.recompute_context).
+"""Activation recomputation under every weight policy (pipeoptim.stages.recompute, WeightPolicy.recompute_context).
 
 What the recomputed forward reads, checked against references written here (float64 copies of the stage):
 - stash / 2bw: the forward's version, so the gradients equal those without recomputation bit for bit, also in a
@@ -21,9 +21,9 @@ from torch import nn
 import runtime_cases as rc
 from pipeoptim.models import gpt_layers
 from pipeoptim.models.gpt import lm_loss
-from pipeoptim.model_cut import StageModule
+from pipeoptim.stages.model_cut import StageModule
 from pipeoptim.policies import make_policy
-from pipeoptim.recompute import ALL, parse_checkpoint_stages, run_stage
+from pipeoptim.stages.recompute import ALL, parse_checkpoint_stages, run_stage
 from pipeoptim.runtime.plan import ConfigError
 from pipeoptim.runtime.split_backward import input_pass, weight_pass
 from pipeoptim.train import Pipeline

@@ -1,4 +1,4 @@
-"""pipeoptim.token_shards: prepared byte-level shards hold exactly the bytes `text_corpus` trains on (shards and
+"""pipeoptim.data.token_shards: prepared byte-level shards hold exactly the bytes `text_corpus` trains on (shards and
 workers changing nothing); a tokenizer's shards, JSONL, Parquet and datasets folders, each record's field; the
 held-out split; a wrong field, output or manifest refused before anything is written, and never a half-written
 folder; windows read by index across shard boundaries; the sampler's draws depend on its position only."""
@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from pipeoptim import token_shards as ts
+from pipeoptim.data import prepare_data as prep
+from pipeoptim.data import token_shards as ts
 from pipeoptim.data import DataError, text_corpus
 
 
@@ -41,7 +42,7 @@ def test_byte_level_shards_hold_exactly_the_text_corpus_bytes_whatever_the_shard
     corpus = text_corpus(src)
     for workers, shard_tokens, chunk in ((1, ts.DEFAULT_SHARD_TOKENS, ts.CHUNK_BYTES), (2, 1000, 700)):
         out = tmp_path / f"out-{workers}"
-        m = ts.prepare(src, out, workers=workers, shard_tokens=shard_tokens, chunk_bytes=chunk, progress=False)
+        m = prep.prepare(src, out, workers=workers, shard_tokens=shard_tokens, chunk_bytes=chunk, progress=False)
         data = ts.TokenShards(out)
         for split, want in (("train", corpus.train), ("val", corpus.val)):
             assert data.tokens(split) == want.numel() == m["splits"][split]["tokens"]
@@ -60,7 +61,7 @@ def test_byte_level_shards_hold_exactly_the_text_corpus_bytes_whatever_the_shard
 def test_a_tokenizers_shards_hold_each_files_ids_with_its_hash_and_vocabulary(tmp_path):
     src = _text_folder(tmp_path / "src")
     vocab = local_tokenizer(tmp_path / "tok.json", (src / "a.txt").read_text() + (src / "sub" / "c.txt").read_text())
-    m = ts.prepare(src, tmp_path / "out", str(tmp_path / "tok.json"), workers=2, progress=False)
+    m = prep.prepare(src, tmp_path / "out", str(tmp_path / "tok.json"), workers=2, progress=False)
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(tmp_path / "tok.json"))
     sep = tok.encode("\n").ids
@@ -72,7 +73,7 @@ def test_a_tokenizers_shards_hold_each_files_ids_with_its_hash_and_vocabulary(tm
     assert data.window("train", 0, data.tokens("train")).tolist() == want
     assert m["tokenizer"]["vocab_size"] == vocab and m["tokenizer"]["sha256"] == ts.tokenizer_sha256(
         str(tmp_path / "tok.json")) and m["tokenizer"]["separator"] == sep
-    assert data.data_sha256 == m["data_sha256"] != ts.prepare(src, tmp_path / "bytes", progress=False)["data_sha256"]
+    assert data.data_sha256 == m["data_sha256"] != prep.prepare(src, tmp_path / "bytes", progress=False)["data_sha256"]
     assert ts.dtype_for(65536) == "uint16" and ts.dtype_for(65537) == "uint32" and ts.dtype_for(128_256) == "uint32"
 
 
@@ -85,10 +86,10 @@ def test_jsonl_records_by_field_held_out_by_their_hash_and_a_wrong_field_refused
             for t in texts[part * 200:(part + 1) * 200]:
                 f.write(json.dumps({"id": 1, "body": t}) + "\n\n")  # blank lines are skipped
     with pytest.raises(DataError, match=r"have no field 'text' \(they have: id, body\).*--text-field"):
-        ts.prepare(src, tmp_path / "out", progress=False)
+        prep.prepare(src, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
-    m = ts.prepare(src, tmp_path / "out", text_field="body", workers=2, chunk_bytes=2000, progress=False)
-    held = [t for t in texts if ts._held_out(t.encode())]
+    m = prep.prepare(src, tmp_path / "out", text_field="body", workers=2, chunk_bytes=2000, progress=False)
+    held = [t for t in texts if prep._held_out(t.encode())]
     assert 0 < len(held) < len(texts) / 10  # about 1 in 20
     data = ts.TokenShards(tmp_path / "out")
     val = bytes(data.window("val", 0, data.tokens("val")).astype(np.uint8)).decode()
@@ -98,7 +99,7 @@ def test_jsonl_records_by_field_held_out_by_their_hash_and_a_wrong_field_refused
                            "text_field": "body"}
     (src / "part-1.jsonl").write_text(json.dumps({"body": 3}) + "\n")
     with pytest.raises(DataError, match="field 'body' holds a int, not text"):
-        ts.prepare(src, tmp_path / "again", text_field="body", workers=2, progress=False)
+        prep.prepare(src, tmp_path / "again", text_field="body", workers=2, progress=False)
     assert not (tmp_path / "again").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".again")]
 
 
@@ -107,10 +108,10 @@ def test_parquet_and_a_datasets_folder_read_their_field(tmp_path):
     import pyarrow.parquet as pq
     texts = [f"row {i} " * (i % 5 + 1) for i in range(300)]
     pq.write_table(pa.table({"content": texts, "n": list(range(300))}), tmp_path / "t.parquet", row_group_size=64)
-    ts.prepare(tmp_path / "t.parquet", tmp_path / "pq", text_field="content", workers=2, progress=False)
+    prep.prepare(tmp_path / "t.parquet", tmp_path / "pq", text_field="content", workers=2, progress=False)
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict({"content": texts}).save_to_disk(str(tmp_path / "ds"))
-    m = ts.prepare(tmp_path / "ds", tmp_path / "dsout", text_field="content", progress=False)
+    m = prep.prepare(tmp_path / "ds", tmp_path / "dsout", text_field="content", progress=False)
     assert m["source"]["kind"] == "datasets"
     a, b = ts.TokenShards(tmp_path / "pq"), ts.TokenShards(tmp_path / "dsout")
     for split in ts.SPLITS:  # the same records in either container: the same tokens
@@ -118,10 +119,10 @@ def test_parquet_and_a_datasets_folder_read_their_field(tmp_path):
                                                       b.window(split, 0, b.tokens(split)))
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": texts})}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"is a Hugging Face DatasetDict \(train\): give one split's folder"):
-        ts.prepare(tmp_path / "dd", tmp_path / "x", progress=False)
+        prep.prepare(tmp_path / "dd", tmp_path / "x", progress=False)
     (tmp_path / "ds" / "state.json").write_text("{not json")
     with pytest.raises(DataError, match=r"state.json cannot be read as JSON"):
-        ts.prepare(tmp_path / "ds", tmp_path / "x", text_field="content", progress=False)
+        prep.prepare(tmp_path / "ds", tmp_path / "x", text_field="content", progress=False)
     assert not (tmp_path / "x").exists()
 
 
@@ -130,16 +131,16 @@ def test_an_output_that_holds_something_is_refused_and_overwrite_replaces_only_a
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(DataError, match="mine exists and is not empty: give --overwrite to replace it"):
-        ts.prepare(src, tmp_path / "mine", progress=False)
+        prep.prepare(src, tmp_path / "mine", progress=False)
     with pytest.raises(DataError, match="holds other files, which it would delete: give another path"):
-        ts.prepare(src, tmp_path / "mine", overwrite=True, progress=False)
+        prep.prepare(src, tmp_path / "mine", overwrite=True, progress=False)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     with pytest.raises(DataError, match="holds the source"):
-        ts.prepare(src / "a.txt", src, overwrite=True, progress=False)
+        prep.prepare(src / "a.txt", src, overwrite=True, progress=False)
     (tmp_path / "empty").mkdir()
-    ts.prepare(src / "a.txt", tmp_path / "empty", progress=False)  # an empty folder is fine
+    prep.prepare(src / "a.txt", tmp_path / "empty", progress=False)  # an empty folder is fine
     first = ts.TokenShards(tmp_path / "empty").tokens("train")
-    ts.prepare(src, tmp_path / "empty", overwrite=True, progress=False)
+    prep.prepare(src, tmp_path / "empty", overwrite=True, progress=False)
     assert ts.TokenShards(tmp_path / "empty").tokens("train") > first
     assert sorted(os.listdir(tmp_path)) == ["empty", "mine", "src"]  # nothing set aside is left
 
@@ -147,7 +148,7 @@ def test_an_output_that_holds_something_is_refused_and_overwrite_replaces_only_a
 def test_a_damaged_or_foreign_manifest_is_refused_naming_the_fix(tmp_path):
     src = _text_folder(tmp_path / "src")
     out = tmp_path / "out"
-    ts.prepare(src, out, shard_tokens=2000, progress=False)
+    prep.prepare(src, out, shard_tokens=2000, progress=False)
     with open(out / "train-00001.bin", "r+b") as f:
         f.truncate(100)
     with pytest.raises(DataError, match=r"train-00001.bin holds 100 bytes, but the manifest says 2000 tokens of "
@@ -166,7 +167,7 @@ def test_a_damaged_or_foreign_manifest_is_refused_naming_the_fix(tmp_path):
 def test_windows_cross_shard_boundaries_and_the_sampler_depends_on_its_position_only(tmp_path):
     src = tmp_path / "t.txt"
     src.write_bytes(bytes(range(1, 256)) * 40)
-    ts.prepare(src, tmp_path / "out", shard_tokens=100, progress=False)
+    prep.prepare(src, tmp_path / "out", shard_tokens=100, progress=False)
     data = ts.TokenShards(tmp_path / "out")
     whole = data.window("train", 0, data.tokens("train"))
     for start in (0, 95, 99, 100, 250, data.tokens("train") - 17):

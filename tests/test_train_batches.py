@@ -1,4 +1,4 @@
-"""pipeoptim.train_batches with `pipeoptim train --data` on a prepare-data folder: only the ranks holding the first
+"""pipeoptim.data.batches with `pipeoptim train --data` on a prepare-data folder: only the ranks holding the first
 or the last stage open the data (a 4-process run, every open recorded by an audit hook); a rank's memory does not
 grow with the corpus (RSS with a 1 GiB prepared corpus against a 1 MiB one); a run resumed from a checkpoint reads
 the batches the uninterrupted run read (per-step losses equal); a resume on changed data or with another tokenizer
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeoptim import token_shards as ts
+from pipeoptim.data import prepare_data as prep
+from pipeoptim.data import token_shards as ts
 from pipeoptim.cli.train import main
-from pipeoptim.train_batches import ShapeOnly, ShardBatches, TextBatches, for_rank
+from pipeoptim.data.batches import ShapeOnly, ShardBatches, TextBatches, for_rank
 
 TINY = ["--model", "tiny", "--stages", "2", "--microbatches", "4", "--microbatch-size", "1", "--emulate",
         "--no-progress", "--eval-every", "0"]
@@ -54,7 +55,7 @@ def test_a_middle_rank_gets_shapes_only_and_opens_nothing(tmp_path):
 def test_a_replica_reads_only_its_rows_of_the_global_batch(tmp_path):
     src = tmp_path / "t.txt"
     src.write_bytes(_text())
-    ts.prepare(src, tmp_path / "p", progress=False)
+    prep.prepare(src, tmp_path / "p", progress=False)
     both = [ShardBatches(str(tmp_path / "p"), seed=3, seq_len=8, dp_rank=q, dp=2) for q in range(2)]
     whole = ShardBatches(str(tmp_path / "p"), seed=3, seq_len=8, dp_rank=0, dp=1)
     for _ in range(3):
@@ -67,7 +68,7 @@ def test_a_replica_reads_only_its_rows_of_the_global_batch(tmp_path):
 
 _RSS_PROBE = textwrap.dedent("""
     import sys
-    from pipeoptim.train_batches import ShardBatches
+    from pipeoptim.data.batches import ShardBatches
     batches = ShardBatches(sys.argv[1], seed=0, seq_len=64, dp_rank=0, dp=1)
     for _ in range(200):
         x, y = batches.train(32)
@@ -112,7 +113,7 @@ def test_a_ranks_memory_does_not_grow_with_the_corpus(tmp_path):
 def _prepare(tmp_path, name, text: bytes, tokenizer=None):
     src = tmp_path / f"{name}.txt"
     src.write_bytes(text)
-    ts.prepare(src, tmp_path / name, tokenizer, overwrite=True, progress=False)
+    prep.prepare(src, tmp_path / name, tokenizer, overwrite=True, progress=False)
     return str(tmp_path / name)
 
 

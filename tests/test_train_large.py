@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import runtime_cases as rc
-from pipeoptim.materialize import initialize
+from pipeoptim.stages.materialize import initialize
 from pipeoptim.models import GPTConfig, gpt_init_fn, gpt_layers
 from pipeoptim.models.gpt import lm_loss
 from pipeoptim.runtime import launch

@@ -1,5 +1,5 @@
 """What does AdamW's step cost on a stage's flat buffer against the same parameters one by one, with and without
-``pipeoptim.cpu_memory.keep_freed_memory``?
+``pipeoptim.runtime.cpu_memory.keep_freed_memory``?
 
 Why this exists: the pipeline hands torch's optimizer one flat buffer per stage, so AdamW's temporaries are the
 stage's size, and glibc maps blocks that large afresh on every step (minor page faults); stepped parameter by
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 torch.set_num_threads(1)
 layout, steps, warmup, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-from pipeoptim.cpu_memory import keep_freed_memory
+from pipeoptim.runtime.cpu_memory import keep_freed_memory
 applied = keep_freed_memory()
 torch.manual_seed(0)
 layer = lambda: nn.TransformerEncoderLayer(width, 8, 4 * width, batch_first=True)

@@ -8,7 +8,7 @@ finite is redone in float64. For scale, the same process times torch's AdamW ste
 pipeline hands it over: the stage's parameters as views of one flat buffer) and a plain ``sum`` of it, the
 memory floor of any check that reads every element (4 bytes per element).
 
-One thread, with ``pipeoptim.cpu_memory.keep_freed_memory`` applied as every CPU ``Pipeline`` applies it; each
+One thread, with ``pipeoptim.runtime.cpu_memory.keep_freed_memory`` applied as every CPU ``Pipeline`` applies it; each
 size is a stage of ``bench_runtime_peer.py``: the tiny model's (2 x Linear(64, 64)) and the GPT's (2 Transformer
 blocks of width 512). Medians of ``--repeats`` calls after ``--warmup`` untimed ones.
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     if args.width < 8 or args.width % 8:
         ap.error("--width must be a positive multiple of 8 (8 attention heads)")
-    from pipeoptim.cpu_memory import keep_freed_memory
+    from pipeoptim.runtime.cpu_memory import keep_freed_memory
     torch.set_num_threads(1)
     applied = keep_freed_memory()
     print(f"# one thread; keep_freed_memory applied: {applied}")

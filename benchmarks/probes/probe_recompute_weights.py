@@ -66,7 +66,7 @@ VARIANTS = ("no_recompute", "recompute_real", "recompute_kept_prediction", "stal
 
 
 def _stage_and_head(seed: int):
-    from pipeoptim.model_cut import StageModule
+    from pipeoptim.stages.model_cut import StageModule
     from pipeoptim.models import GPTConfig, gpt_layers
     cfg = GPTConfig(seq_len=64, d_model=64, n_heads=4, n_layers=2)
     layers = gpt_layers(cfg, seed=seed)
@@ -78,7 +78,7 @@ def _grad_trial(variant: str, s: int, lr: float, seed: int, warm: int, trials: i
     from pipeoptim.data import stdlib_corpus
     from pipeoptim.models.gpt import lm_loss
     from pipeoptim.policies import make_policy
-    from pipeoptim.recompute import ALL, run_stage
+    from pipeoptim.stages.recompute import ALL, run_stage
     torch.manual_seed(seed)
     stage, head, cfg = _stage_and_head(seed)
     head.requires_grad_(False)

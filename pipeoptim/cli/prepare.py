@@ -1,5 +1,5 @@
 """``pipeoptim prepare-data SRC OUT``: tokenize a corpus once into token shards that ``pipeoptim train --data OUT``
-reads by index (``pipeoptim.token_shards``), so no rank holds the corpus in memory or tokenizes it again.
+reads by index (``pipeoptim.data.token_shards``), so no rank holds the corpus in memory or tokenizes it again.
 
 SRC: a text file or a folder of text files (the last 5% of every file held out, as ``train --data`` holds it out),
 JSONL or Parquet files (or a folder of one kind), or a folder written by a Hugging Face dataset's
@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from ..data import DataError
-    from ..token_shards import DEFAULT_SHARD_TOKENS, prepare
+    from ..data.prepare_data import prepare
+    from ..data.token_shards import DEFAULT_SHARD_TOKENS
     workers = args.workers or (_cores() if args.tokenizer else 1)
     t0 = time.perf_counter()
     try:

@@ -105,9 +105,9 @@ def _config(args) -> dict:
                     else f"{args.stages * args.dp} GPUs (one per stage and replica)")
             raise ConfigError(f"--device cuda needs {need}; found {found}. Use --device cpu")
     if args.checkpoint_stages:
-        from ..recompute import CheckpointStagesError, parse_checkpoint_stages
+        from ..stages.recompute import CheckpointStagesError, parse_checkpoint_stages
         from ..errors import ConfigError
-        from ..partition import balance_by_layers   # the Pipeline's cut of the model's L + 2 layers (no torch)
+        from ..stages.partition import balance_by_layers   # the Pipeline's cut of the model's L + 2 layers (no torch)
         try:
             parse_checkpoint_stages(args.checkpoint_stages,
                                     balance_by_layers(L + 2, stages_for(args.schedule, args.stages)))
@@ -154,7 +154,7 @@ def _check_data(path: str, seq_len: int) -> dict | None:
     prepare-data`` returns its manifest (read from the manifest and the shards' sizes: no token is read)."""
     from ..data import DataError, check_text
     from ..errors import ConfigError
-    from ..token_shards import SPLITS, is_prepared, read_manifest
+    from ..data.token_shards import SPLITS, is_prepared, read_manifest
     try:
         if is_prepared(path):
             manifest = read_manifest(path)
@@ -215,7 +215,7 @@ def _tokenizer_identity(name: str) -> str:
     """The sha256 of a --tokenizer's files: a resume checks that the embedding rows still mean the same tokens."""
     from ..data import DataError
     from ..errors import ConfigError
-    from ..token_shards import tokenizer_sha256
+    from ..data.token_shards import tokenizer_sha256
     try:
         return tokenizer_sha256(name)
     except DataError as e:
@@ -331,7 +331,7 @@ def _prepared_config(args, manifest: dict) -> dict:
     of them; ConfigError when --model or --tokenizer cannot read those tokens."""
     from ..data import DataError
     from ..errors import ConfigError
-    from ..token_shards import BYTES, data_sha256, tokenizer_sha256
+    from ..data.token_shards import BYTES, data_sha256, tokenizer_sha256
     tok = manifest["tokenizer"]
     if tok["name"] == BYTES and args.tokenizer:
         raise ConfigError(f"--data {args.data} holds bytes (prepared without --tokenizer): drop --tokenizer, or "

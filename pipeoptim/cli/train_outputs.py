@@ -57,7 +57,7 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
     from ..viz import plot_training
     fig, ax = plt.subplots(figsize=(6, 3.5))
     model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
-    from ..token_shards import BYTES
+    from ..data.token_shards import BYTES
     prepared = cfg.get("prepared")  # a prepare-data folder holds tokens of its tokenizer, given or not
     unit = "nats/token" if cfg.get("tokenizer") or (prepared and prepared["tokenizer"] != BYTES) else "nats/byte"
     plot_training(ax, history, unit=unit,

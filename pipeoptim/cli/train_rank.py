@@ -54,7 +54,7 @@ def train_worker(cfg: dict) -> dict:
                     link=parse_link(cfg["link"]) if cfg.get("link") else None,
                     straggler=parse_straggler(cfg["straggler"]) if cfg.get("straggler") else None, **model_kw)
     rank = 0 if cfg["emulate"] else int(os.environ.get("RANK", "0"))
-    from ..train_batches import for_rank
+    from ..data.batches import for_rank
     batches = for_rank(cfg, pipe, rank, lambda: _corpus(cfg))  # read only where the first or last stage is
     history: list[dict] = []
     run_dir = cfg["run_dir"]

@@ -52,7 +52,7 @@ Rules for the executor:
   reads the real weights (`none`) runs a forward whose weights cannot change before its backward (s = 0: every
   synchronous schedule) with no saved-tensor hooks at all.
 - Activation recomputation (checkpointing): the executor runs a checkpointed forward with
-  `recompute_context(mb)` as torch.utils.checkpoint's recompute context (`pipeoptim.recompute`); the
+  `recompute_context(mb)` as torch.utils.checkpoint's recompute context (`pipeoptim.stages.recompute`); the
   recomputation then runs inside `backward(mb, ...)` (once per part of a split backward) and the module's
   parameters read `_recompute_buffers`: by default the buffers the backward's saved weights resolve to, so
   the recomputed region's backward is computed at the very weights the backward reads (stash/2bw: the
@@ -68,8 +68,10 @@ from typing import Any, Callable, ClassVar, Hashable, Iterator
 import torch
 from torch import nn
 
-from ..flat import FlatBinding, bind, rule_or_opaque
-from ..predictor import SavedWeights
+from ..prediction.flat import FlatBinding, bind, rule_or_opaque
+from ..prediction.predictor import SavedWeights
+from .saved_state import gather, scatter
+from .scopes import BACKWARD_PARTS, INF, BackwardScope, ForwardScope, check_s
 
 
 class WeightPolicy:
@@ -117,23 +119,23 @@ class WeightPolicy:
 
     # ---- the interface ----------------------------------------------------------------------------
 
-    def forward(self, mb: Hashable, s: float = 0, lookahead: float = 0) -> "_ForwardScope":
+    def forward(self, mb: Hashable, s: float = 0, lookahead: float = 0) -> "ForwardScope":
         """Run micro-batch `mb`'s forward inside (a context manager). `s`: optimizer steps this stage will take
         before mb's backward (used by predicting policies; others ignore it). `lookahead`: the steps after that
         backward that the same micro-batch's backward will predict (SpecTrain's backward s); a policy whose
         forward aims past the backward (SpecTrain: s + lookahead) adds it in `_forward_s`."""
-        _check_s(s)
-        _check_s(lookahead)
+        check_s(s)
+        check_s(lookahead)
         if mb in self._in_flight:
             raise ValueError(f"micro-batch {mb!r} is already in flight on this stage; run its backward (or "
                              "policy.discard(mb)) before reusing the id")
-        return _ForwardScope(self, mb, self._forward_s(s, lookahead))
+        return ForwardScope(self, mb, self._forward_s(s, lookahead))
 
-    def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> "_BackwardScope":
+    def backward(self, mb: Hashable, s: float = 0, part: str = "full") -> "BackwardScope":
         """Run micro-batch `mb`'s backward inside (a context manager). `s`: SpecTrain's backward look-ahead;
         others ignore it. `part`: "full", or "input" then "weight" for a backward split in two (module
         docstring)."""
-        _check_s(s)
+        check_s(s)
         if part not in BACKWARD_PARTS:
             raise ValueError(f"part must be one of {', '.join(BACKWARD_PARTS)}, got {part!r}")
         if mb not in self._in_flight:
@@ -145,7 +147,7 @@ class WeightPolicy:
         if part != "weight" and mb in self._input_done:
             raise ValueError(f"micro-batch {mb!r} already ran the input part of its backward; finish it with "
                              "backward(mb, part='weight')")
-        return _BackwardScope(self, mb, s, part)
+        return BackwardScope(self, mb, s, part)
 
     def call_forward(self, mb: Hashable, s: float, lookahead: float, fn: Callable, *args) -> Any:
         """``fn(*args)`` run inside ``forward(mb, s, lookahead)``; returns its result. The same as the ``with``
@@ -168,7 +170,7 @@ class WeightPolicy:
         """``fn(*args)`` run inside ``backward(mb, s)``, a whole backward (not split); returns its result. The same
         as the ``with`` form without a scope object where the policy enters nothing around a backward."""
         if self._plain_backward and mb in self._in_flight and mb not in self._input_done and \
-                (s.__class__ is int or s.__class__ is float) and 0 <= s < _INF:
+                (s.__class__ is int or s.__class__ is float) and 0 <= s < INF:
             out = fn(*args)
             self._backward_done(mb, "full")
             return out
@@ -209,7 +211,7 @@ class WeightPolicy:
         the gradients are dropped. `next_s`: the s of this stage's next forward, if known; a predicting
         policy may then produce that prediction in the same pass as the step."""
         if next_s is not None:
-            _check_s(next_s)
+            check_s(next_s)
         stepped = False
         if not skip:
             self._apply_step(next_s)
@@ -279,18 +281,7 @@ class WeightPolicy:
             raise RuntimeError(f"{self.name}: cannot save policy state with micro-batches in flight "
                                f"({list(self._in_flight)[:4]}) or gradients of {self._backwards} backward(s) not "
                                "yet stepped; save between iterations (after the last Step)")
-        params: dict[str, dict] = {}
-        for g in self.binding.groups:
-            for j, name in enumerate(g.names):
-                entry: dict = {"steps_taken": g.steps_taken}
-                if g.last_grad is not None:
-                    entry["last_grad"] = g.view(g.last_grad, j).detach().clone()
-                params[name] = entry
-        for i, g in enumerate(self.binding.groups):
-            for key, flat in self._state_entries(i).items():
-                for j, name in enumerate(g.names):
-                    params[name][key] = g.view(flat, j).detach().clone()
-        return {"policy": self.name, "params": params}
+        return {"policy": self.name, "params": gather(self.binding.groups, self._state_entries)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict()` saved (possibly re-keyed, from another stage layout or policy).
@@ -306,36 +297,7 @@ class WeightPolicy:
         if not isinstance(params, dict):
             raise TypeError("load_state_dict expects the dict returned by state_dict() "
                             "({'policy': ..., 'params': {name: {...}}})")
-        for i, g in enumerate(self.binding.groups):
-            have = [n for n in g.names if n in params]
-            if not have:
-                continue
-            if len(have) != len(g.names):
-                missing = [n for n in g.names if n not in params]
-                raise ValueError(f"{self.name}: the policy state has entries for {have[:3]} but not for "
-                                 f"{missing[:3]}, which share one flat group (one step count); save and load the "
-                                 "whole model's policy state")
-            steps = {int(params[n]["steps_taken"]) for n in g.names if "steps_taken" in params[n]}
-            if len(steps) > 1:
-                raise ValueError(f"{self.name}: parameters of one flat group were saved at different step counts "
-                                 f"{sorted(steps)}; they must step together")
-            if steps:
-                g.steps_taken = steps.pop()
-            kept = dict(self._state_entries(i))
-            if g.last_grad is not None:
-                kept["last_grad"] = g.last_grad
-            with torch.no_grad():
-                for key, flat in kept.items():
-                    for j, name in enumerate(g.names):
-                        value = params[name].get(key)
-                        if value is None:
-                            continue
-                        view = g.view(flat, j)
-                        if tuple(value.shape) != tuple(view.shape):
-                            raise ValueError(f"{self.name}: saved {key} of {name} has shape {tuple(value.shape)} but "
-                                             f"the parameter has {tuple(view.shape)}; the checkpoint belongs to "
-                                             "another model")
-                        view.copy_(value)
+        scatter(self.name, self.binding.groups, self._state_entries, params)
         self._after_load()
 
     def _state_entries(self, group: int) -> dict[str, torch.Tensor]:
@@ -418,7 +380,7 @@ class WeightPolicy:
         cls._reads_own_backward_weights = cls._backward_weights is not WeightPolicy._backward_weights
         cls._tracks_gradients = cls._gradient_done is not WeightPolicy._gradient_done
         cls._tracks_releases = cls._release is not WeightPolicy._release
-        # what _ForwardScope enters nothing for: s = 0 (after _forward_s) with the real weights saved by autograd,
+        # what ForwardScope enters nothing for: s = 0 (after _forward_s) with the real weights saved by autograd,
         # no tag to remember, no weights of its own to lend; and a class that redefines forward, backward or what
         # they record keeps its own (the shortcuts would pass it by)
         cls._plain_at_s0 = (cls.saves_real_weights_at_s0 and not cls._reads_own_forward_weights
@@ -430,99 +392,3 @@ class WeightPolicy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(update_every={self.update_every}, in_flight={len(self._in_flight)})"
-
-
-BACKWARD_PARTS = ("full", "input", "weight")
-_INF = float("inf")
-
-
-class _Scope:
-    """A policy's forward or backward context, written as a class: a generator-based context costs several
-    microseconds per action, which a pipeline pays twice per micro-batch and stage. ``_inner`` are the contexts
-    the policy needs around the body (entered in order, exited in reverse, an exception passed through them)."""
-    __slots__ = ("policy", "mb", "s", "_inner")
-
-    def _enter(self, contexts) -> None:
-        if not contexts:  # (most scopes: nothing to enter, nothing to exit)
-            self._inner = ()
-            return
-        self._inner = []
-        for c in contexts:
-            try:
-                c.__enter__()
-            except BaseException as e:
-                self._exit(type(e), e, e.__traceback__)
-                raise
-            self._inner.append(c)
-
-    def _exit(self, exc_type, exc, tb) -> bool:
-        """Exit the entered contexts in reverse order, as nested ``with`` statements would; True when they
-        handled the exception ``exc``."""
-        if not self._inner:
-            return False
-        pending = exc
-        while self._inner:
-            c = self._inner.pop()
-            try:
-                if c.__exit__(type(pending) if pending is not None else None, pending,
-                              pending.__traceback__ if pending is not None else None):
-                    pending = None
-            except BaseException as e:  # an exit raised: that exception replaces the one in flight
-                pending = e
-        if pending is not None and pending is not exc:
-            raise pending
-        return exc is not None and pending is None
-
-
-class _ForwardScope(_Scope):
-    __slots__ = ("tag", "acts")
-
-    def __init__(self, policy: WeightPolicy, mb: Hashable, s: float):
-        self.policy, self.mb, self.s = policy, mb, s
-
-    def __enter__(self) -> None:
-        p, mb, s = self.policy, self.mb, self.s
-        self.tag = tag = p._forward_tag(mb, s)
-        self.acts = acts = {} if p.measure_activations else None
-        contexts = []
-        # (with s = 0 and real weights, autograd saves the weights itself: no step comes before the backward)
-        if not (s == 0 and acts is None and p.saves_real_weights_at_s0):
-            contexts.append(p.saved.hooks(tag, p._resolve, acts))
-        if p._reads_own_forward_weights:
-            contexts.append(p._forward_weights(mb, s))
-        self._enter(contexts)
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb)
-        if (exc_type is None or handled) and torch.is_grad_enabled():
-            self.policy._forward_done(self.mb, self.tag, self.acts)
-        return handled
-
-
-class _BackwardScope(_Scope):
-    __slots__ = ("part",)
-
-    def __init__(self, policy: WeightPolicy, mb: Hashable, s: float, part: str):
-        self.policy, self.mb, self.s, self.part = policy, mb, s, part
-
-    def __enter__(self) -> None:
-        p = self.policy
-        self._enter((p._backward_weights(self.mb, self.s),) if p._reads_own_backward_weights else ())
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        handled = self._exit(exc_type, exc, tb)
-        if exc_type is None or handled:
-            self.policy._backward_done(self.mb, self.part)
-        return handled
-
-
-def _check_s(s: object) -> None:
-    if (s.__class__ is int or s.__class__ is float) and 0 <= s < _INF:  # (the common case, in one test per action)
-        return
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s == _INF:
-        raise ValueError(f"s must be a finite number >= 0 (optimizer steps between a forward and its backward), "
-                         f"got {s!r}")
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

@@ -44,10 +44,11 @@ from typing import Hashable, Iterator
 import torch
 from torch import nn
 
-from ..flat import OPAQUE_RULE, rule_for
-from ..last_update import LastUpdate
-from ..predictor import Predictor
-from .base import WeightPolicy, nbytes
+from ..prediction.flat import OPAQUE_RULE, rule_for
+from ..prediction.last_update import LastUpdate
+from ..prediction.predictor import Predictor
+from .base import WeightPolicy
+from .scopes import nbytes
 
 
 S_RULES = ("schedule", "paper", "reference")

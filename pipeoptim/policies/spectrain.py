@@ -22,9 +22,10 @@ from torch import nn
 
 import pipeoptim_kernels as pk
 
-from ..flat import FlatGroup
-from ..predictor import Predictor
-from .base import WeightPolicy, nbytes
+from ..prediction.flat import FlatGroup
+from ..prediction.predictor import Predictor
+from .base import WeightPolicy
+from .scopes import nbytes
 
 # The optimizer state that already is a smoothed gradient, by rule.
 _SMOOTHED = {"adam": "exp_avg", "adamw": "exp_avg", "adamax": "exp_avg", "nadam": "exp_avg", "radam": "exp_avg"}

@@ -18,7 +18,8 @@ from typing import Any, Hashable
 import torch
 from torch import nn
 
-from .base import WeightPolicy, nbytes
+from .base import WeightPolicy
+from .scopes import nbytes
 
 
 class StashPolicy(WeightPolicy):

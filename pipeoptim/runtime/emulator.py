@@ -19,13 +19,14 @@ import time
 
 import torch
 
+from ..errors import ConfigError
 from ..schedules.actions import Forward, Step, Sync
 from .executor import describe_failure
 from .plan import COMPUTE, STEP, SYNC, WEIGHT, Plan, PipelineError
 from .stream import CARRY, Carried
 from .worker import DeviceWorker
 
-__all__ = ["Emulator", "run_order"]
+__all__ = ["Emulator", "emulated_device", "run_order"]
 
 NORM = "norm"  # a run_order entry: the global gradient norm, before a synchronous schedule's first Step
 
@@ -33,6 +34,26 @@ NORM = "norm"  # a run_order entry: the global gradient norm, before a synchrono
 def _copy(tensors: tuple) -> tuple:
     """A forward's outputs as they arrive on another device: copies (a stage's outputs are tensors)."""
     return (tensors[0].clone(),) if len(tensors) == 1 else tuple(x.clone() for x in tensors)
+
+
+def emulated_device(device) -> torch.device:
+    """The one device an emulated pipeline runs every stage on; asking for a GPU that is not there is an error,
+    never a silent CPU run."""
+    try:
+        tdev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a device; use 'cpu' or 'cuda'") from None
+    if tdev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but no GPU is visible (torch.cuda.is_available() is False); use "
+                              "device='cpu'")
+        if tdev.index is None:
+            tdev = torch.device("cuda", torch.cuda.current_device())
+        if tdev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
+    elif tdev.type != "cpu":
+        raise ConfigError(f"device={device!r}: an emulated pipeline runs on 'cpu' or 'cuda'")
+    return tdev
 
 
 class Emulator:

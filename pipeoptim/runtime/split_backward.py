@@ -17,7 +17,7 @@ A chunk whose inputs need no gradient (stage 0 reads token ids) has no input pas
 backward. Both passes run whatever saved-tensor hooks were active at the forward (the weight policy's), at the
 time each pass runs.
 
-Activation checkpointing (``pipeoptim.recompute``, torch's non-reentrant checkpoint) recomputes a region once per
+Activation checkpointing (``pipeoptim.stages.recompute``, torch's non-reentrant checkpoint) recomputes a region once per
 autograd call that reaches it: the input pass recomputes once, and the weight pass runs its calls (one per
 parameter group) in one ``torch.utils.checkpoint.GraphExecGroup``, so it recomputes once more, not once per group
 (the groups walk disjoint parts of the graph, which that context requires).

@@ -221,8 +221,8 @@ class DeviceWorker:
             return out, (self.loss_fn(out, self.targets[mb]) if last else None)
 
     def _run_module(self, st: StageRuntime, xs: tuple, mb):
-        if st.checkpoint:   # recomputed in the backward, on the weights the policy names (pipeoptim.recompute)
-            from ..recompute import ALL, run_stage
+        if st.checkpoint:   # recomputed in the backward, on the weights the policy names (pipeoptim.stages.recompute)
+            from ..stages.recompute import ALL, run_stage
             return run_stage(st.module, xs, ALL if st.checkpoint is True else st.checkpoint,
                              lambda: st.policy.recompute_context(mb))
         return st.module(*xs)

@@ -13,7 +13,7 @@ operation" error, and what keeps a later prediction out of an earlier micro-batc
 *computed* from ŵ in the forward (autocast's casts, `2 * W`) are activations and stay as computed.
 Custom autograd Functions that stash weights on `ctx` directly (not via save_for_backward) bypass the
 hooks. Inside an activation-checkpointed region the weights are saved by the recomputation instead, which reads
-what the policy names for it (`WeightPolicy.recompute_context`, `pipeoptim.recompute`).
+what the policy names for it (`WeightPolicy.recompute_context`, `pipeoptim.stages.recompute`).
 
 `Predictor` — one prediction buffer (or one stash, in place) per flat group and a mechanism that makes
 the module's parameters read ŵ during the forward:

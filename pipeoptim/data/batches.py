@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .runtime.data_parallel import replica_rows
+from ..runtime.data_parallel import replica_rows
 from .token_shards import TokenShards, WindowSampler, read_windows
 
 VAL_SEED = 1234  # the fixed held-out batch

@@ -15,8 +15,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .errors import ConfigError
-from .schedules.actions import Chunk
+from ..errors import ConfigError
+from ..schedules.actions import Chunk
 
 __all__ = ["check_copies", "copy_starts"]
 

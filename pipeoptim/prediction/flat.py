@@ -25,7 +25,6 @@ use `binding.zero_grad()` (the policies do).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -33,147 +32,12 @@ from torch import nn
 
 import pipeoptim_kernels as pk
 
+from .flat_groups import FlatGroup, keeps_state, plan_groups, same_view
+from .optimizer_rules import (ELEMENT_STATE, OPAQUE_RULE, SCALAR_STATE, needs_last_grad, register_optimizer,
+                              rule_for, rule_or_opaque, scalar_placement, supported_optimizers)
+
 __all__ = ["FlatBinding", "FlatGroup", "bind", "register_optimizer", "rule_for", "rule_or_opaque", "OPAQUE_RULE",
            "supported_optimizers"]
-
-# The binding's rule for an optimizer with no prediction rule (torch.optim.Muon, a ChainedOptimizer): flat buffers
-# and policies that do not read the optimizer's Δ (none, stash, 2bw, spectrain, pipeoptim's last update) work;
-# a prediction from the optimizer's own rule is refused where it is asked for (rule_for's error).
-OPAQUE_RULE = "opaque"
-
-# Optimizer classes we know beyond torch.optim's, added by register_optimizer: class -> (rule, needs_grad).
-_REGISTERED: dict[type, tuple[str, bool]] = {}
-
-
-def register_optimizer(cls: type, rule: str, *, needs_grad: bool = False) -> None:
-    """Let `bind` accept optimizer class `cls`, predicting with kernel rule `rule`.
-
-    `rule` is a built-in rule name or one registered with `pipeoptim_kernels.register_rule`. Set
-    `needs_grad=True` if the rule reads the last gradient (`state['grad']`): the binding then keeps a copy
-    of the gradient of the last completed step.
-    """
-    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
-        raise TypeError(f"register_optimizer: cls must be a torch.optim.Optimizer subclass, got {cls!r}")
-    if rule not in pk.BUILTIN_RULES and pk.rules.custom_rule(rule) is None:
-        raise ValueError(f"register_optimizer({cls.__name__}, {rule!r}): no kernel rule named {rule!r}; register "
-                         f"it first with pipeoptim_kernels.register_rule({rule!r}, lambda w, state, group, step: delta)")
-    _REGISTERED[cls] = (rule, needs_grad)
-
-
-def supported_optimizers() -> list[str]:
-    return [f"torch.optim.{name}" for name in pk.OPTIMIZER_CLASSES] + [c.__name__ for c in _REGISTERED]
-
-
-def rule_for(optimizer: torch.optim.Optimizer) -> str:
-    """The kernel rule that predicts for `optimizer`, or a ValueError that says how to add one."""
-    cls = type(optimizer)
-    if cls in _REGISTERED:
-        return _REGISTERED[cls][0]
-    if cls.__module__.startswith("torch.optim") and cls.__name__ in pk.OPTIMIZER_CLASSES:
-        return pk.OPTIMIZER_CLASSES[cls.__name__]
-    raise ValueError(
-        f"no prediction rule for optimizer {cls.__name__}: weight prediction needs the optimizer's next update "
-        f"direction. Supported: {', '.join(supported_optimizers())}. For another optimizer, register a rule and "
-        "the class:\n"
-        "    pipeoptim_kernels.register_rule('myopt', lambda w, state, group, step: delta)  # flat tensors -> Δ\n"
-        f"    pipeoptim.flat.register_optimizer({cls.__name__}, 'myopt')\n"
-        "so that ŵ = w − s·lr·Δ (custom rules run on the eager backend)."
-    )
-
-
-def rule_or_opaque(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's prediction rule, or OPAQUE_RULE when it has none."""
-    try:
-        return rule_for(optimizer)
-    except ValueError:
-        return OPAQUE_RULE
-
-
-def needs_last_grad(rule: str, group: dict, mode: str = "exact") -> bool:
-    """Whether `rule`'s prediction for this group reads the last gradient (mode "reference": SGD always, as
-    the public PipeOptim code adds p.grad to the momentum buffer)."""
-    if mode == "reference":
-        return rule == "sgd"
-    for cls, (name, needs) in _REGISTERED.items():
-        if name == rule:
-            return needs
-    momentum = pk.rules.scalar(group.get("momentum", 0.0))
-    if rule == "sgd":
-        return momentum == 0.0 or bool(group.get("nesterov", False))
-    if rule == "rmsprop":
-        return momentum == 0.0
-    return rule in ("adagrad", "nadam")
-
-
-# Per-element state that torch creates on the first step; we create it up front as flat views so the first
-# step already runs in place. name -> (condition on the group, initial value). SGD is absent on purpose: it
-# initialises momentum_buffer to the first gradient (not to zeros), so it is re-homed after its first step.
-_ELEMENT_STATE: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
-    "adam": [("exp_avg", lambda g: True), ("exp_avg_sq", lambda g: True),
-             ("max_exp_avg_sq", lambda g: bool(g.get("amsgrad", False)))],
-    "rmsprop": [("square_avg", lambda g: True), ("momentum_buffer", lambda g: g.get("momentum", 0) > 0),
-                ("grad_avg", lambda g: bool(g.get("centered", False)))],
-    "adamax": [("exp_avg", lambda g: True), ("exp_inf", lambda g: True)],
-    "nadam": [("exp_avg", lambda g: True), ("exp_avg_sq", lambda g: True)],
-    "radam": [("exp_avg", lambda g: True), ("exp_avg_sq", lambda g: True)],
-}
-_ELEMENT_STATE["adamw"] = _ELEMENT_STATE["adam"]
-_SCALAR_STATE = {"step": 0.0, "mu_product": 1.0}  # mu_product: NAdam only
-
-
-def _scalar_placement(group: dict, param: torch.Tensor) -> tuple[torch.device, torch.dtype]:
-    """Where torch.optim keeps a parameter's 'step' tensor: on the param's device only when fused/capturable."""
-    from torch.optim.optimizer import _get_scalar_dtype
-
-    fused = bool(group.get("fused", False))
-    on_device = fused or bool(group.get("capturable", False))
-    return (param.device if on_device else torch.device("cpu")), _get_scalar_dtype(is_fused=fused)
-
-
-@dataclass(eq=False)
-class FlatGroup:
-    """The flat buffers of one (param group, dtype, device) slice of a bound optimizer.
-
-    `w` is what the optimizer steps (the fp32 masters in mixed precision), `work` what the module's forward
-    reads (`work is w` unless mixed). `grad` receives the module's gradients; `master_grad` is what the
-    optimizer reads (`master_grad is grad` unless mixed). `state` holds per-element optimizer state by
-    torch.optim's names, `scalars` the per-parameter scalars ('step', 'mu_product'), one element per param.
-    """
-    index: int
-    rule: str
-    names: list[str]
-    params: list[nn.Parameter]
-    masters: list[torch.Tensor]
-    offsets: list[int]
-    shapes: list[torch.Size]
-    w: torch.Tensor
-    work: torch.Tensor
-    grad: torch.Tensor
-    master_grad: torch.Tensor
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
-    last_grad: torch.Tensor | None = None
-    steps_taken: int = 0  # completed steps observed by the binding (used where torch keeps no 'step')
-    grad_views: list[torch.Tensor] = field(default_factory=list)         # params' .grad, made once
-    master_grad_views: list[torch.Tensor] = field(default_factory=list)  # masters' .grad (mixed precision)
-
-    @property
-    def numel(self) -> int:
-        return self.w.numel()
-
-    def __repr__(self) -> str:
-        mixed = f", working {self.work.dtype}" if self.mixed else ""
-        return (f"FlatGroup(param_group={self.index}, rule={self.rule!r}, {len(self.params)} params, {self.numel} "
-                f"elements, {self.w.dtype} on {self.w.device}{mixed}, state={sorted(self.state)})")
-
-    @property
-    def mixed(self) -> bool:
-        return self.work is not self.w
-
-    def view(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter j's slice of a buffer laid out like this group's."""
-        shape = self.shapes[j]
-        return flat[self.offsets[j]:self.offsets[j] + shape.numel()].view(shape)
 
 
 class FlatBinding:
@@ -195,7 +59,7 @@ class FlatBinding:
             raise ValueError("this optimizer is already bound to flat buffers; reuse that binding "
                              "(or call its unbind() first)")
         rule = rule if rule is not None else rule_for(optimizer)
-        plan = _plan_groups(module, optimizer, working_dtype)
+        plan = plan_groups(module, optimizer, working_dtype)
         self.module, self.optimizer, self.rule = module, optimizer, rule
         self.working_dtype = working_dtype
         self.version = 0  # optimizer steps completed since binding
@@ -266,11 +130,11 @@ class FlatBinding:
         return g
 
     def _create_state(self, g: FlatGroup, group: dict) -> None:
-        """Pre-create torch's state as flat views, for params with no state yet (see _ELEMENT_STATE)."""
+        """Pre-create torch's state as flat views, for params with no state yet (see ELEMENT_STATE)."""
         cls = type(self.optimizer)
         if not (cls.__module__.startswith("torch.optim") and pk.OPTIMIZER_CLASSES.get(cls.__name__) == g.rule):
             return  # only torch's own classes are known to initialise their state this way
-        entries = [name for name, cond in _ELEMENT_STATE.get(g.rule, []) if cond(group)]
+        entries = [name for name, cond in ELEMENT_STATE.get(g.rule, []) if cond(group)]
         if not entries:
             return
         empty = [j for j, m in enumerate(g.masters) if len(self.optimizer.state.get(m, {})) == 0]
@@ -279,9 +143,9 @@ class FlatBinding:
         for name in entries:
             g.state[name] = torch.zeros(g.numel, dtype=g.w.dtype, device=g.w.device)
         scalar_names = ["step"] + (["mu_product"] if g.rule == "nadam" else [])
-        device, dtype = _scalar_placement(group, g.masters[0])
+        device, dtype = scalar_placement(group, g.masters[0])
         for name in scalar_names:
-            g.scalars[name] = torch.full((len(g.masters),), _SCALAR_STATE[name], dtype=dtype, device=device)
+            g.scalars[name] = torch.full((len(g.masters),), SCALAR_STATE[name], dtype=dtype, device=device)
         for j, m in enumerate(g.masters):
             st = self.optimizer.state[m]
             st.update({name: g.scalars[name][j] for name in scalar_names})
@@ -310,7 +174,7 @@ class FlatBinding:
                     if value.dim() == 0:
                         flat = g.scalars.get(name)
                         if flat is None or flat.dtype != value.dtype or flat.device != value.device:
-                            flat = g.scalars[name] = torch.full((len(g.masters),), _SCALAR_STATE.get(name, 0.0),
+                            flat = g.scalars[name] = torch.full((len(g.masters),), SCALAR_STATE.get(name, 0.0),
                                                                 dtype=value.dtype, device=value.device)
                         slot = flat[j]
                     elif value.shape == m.shape and value.dtype == m.dtype and value.device == m.device:
@@ -320,12 +184,12 @@ class FlatBinding:
                         slot = g.view(flat, j)
                     else:
                         continue
-                    if value is not slot and not _same_view(value, slot):
+                    if value is not slot and not same_view(value, slot):
                         with torch.no_grad():
                             slot.copy_(value)
                         st[name] = slot
         # Stay dirty while torch has yet to create some state (SGD's momentum_buffer before its first step).
-        self._state_dirty = any(_keeps_state(g.rule, self.group_hparams(g)) and not opt_state.get(m)
+        self._state_dirty = any(keeps_state(g.rule, self.group_hparams(g)) and not opt_state.get(m)
                                 for g in self.groups for m in g.masters)
 
     def rebind_grads(self) -> None:
@@ -337,7 +201,7 @@ class FlatBinding:
                 cur = p.grad
                 if cur is view:
                     continue
-                if cur is None or not _same_view(cur, view):
+                if cur is None or not same_view(cur, view):
                     with torch.no_grad():
                         if cur is None:
                             view.zero_()
@@ -501,51 +365,3 @@ def bind(module: nn.Module, optimizer: torch.optim.Optimizer, *, working_dtype: 
     copies of that dtype. `rule`: the kernel rule to predict with, if not the one for the optimizer's class.
     """
     return FlatBinding(module, optimizer, working_dtype=working_dtype, rule=rule)
-
-
-def _keeps_state(rule: str, group: dict) -> bool:
-    return not (rule == "sgd" and pk.rules.scalar(group.get("momentum", 0.0)) == 0.0)
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype and a.device == b.device)
-
-
-def _plan_groups(module: nn.Module, optimizer: torch.optim.Optimizer,
-                 working_dtype: torch.dtype | None) -> list[tuple[int, list[tuple[str, nn.Parameter]]]]:
-    """Check everything and split each param group by (dtype, device), before anything is modified."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    if working_dtype is not None and working_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"working_dtype must be torch.bfloat16 or torch.float16 (got {working_dtype}); "
-                         "leave it None to train in the parameters' own dtype")
-    plan, seen = [], set()
-    for index, group in enumerate(optimizer.param_groups):
-        buckets: dict[tuple, list] = {}
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ValueError("the optimizer holds a parameter that is not in the module (shape "
-                                 f"{tuple(p.shape)}); build the stage's optimizer from module.parameters() only")
-            if id(p) in seen:
-                raise ValueError(f"parameter {names[id(p)]} appears twice in the optimizer's param groups")
-            seen.add(id(p))
-            if not p.requires_grad:
-                continue
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"parameter {names[id(p)]} is not a dense strided tensor; flat buffers need dense "
-                                 "parameters")
-            if not p.is_floating_point():
-                raise TypeError(f"parameter {names[id(p)]} has dtype {p.dtype}; flat buffers hold floating-point "
-                                "parameters only")
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(f"parameter {names[id(p)]} has a sparse gradient (e.g. nn.Embedding(sparse=True));"
-                                 " flat gradient buffers need dense gradients")
-            if working_dtype is not None and p.dtype != torch.float32:
-                raise TypeError(f"mixed precision needs float32 parameters to serve as masters, but "
-                                f"{names[id(p)]} is {p.dtype}; build the model in float32 and pass "
-                                f"working_dtype={working_dtype}")
-            buckets.setdefault((p.dtype, p.device), []).append((names[id(p)], p))
-        plan.extend((index, items) for items in buckets.values())
-    if not plan:
-        raise ValueError("the optimizer holds no trainable parameter of this module; nothing to bind")
-    return plan

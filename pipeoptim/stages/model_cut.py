@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .materialize import is_meta, materialize, replicate
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["StageModule", "ModelCut", "as_layers", "check_unshared"]
 

@@ -17,7 +17,7 @@ __all__ = ["balance_by_layers", "balance_by_time", "balance_by_cost", "profile_l
 
 
 def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    from .errors import ConfigError
+    from ..errors import ConfigError
     balance = list(balance)
     even = balance_by_layers(num_layers, num_stages) if num_layers >= num_stages else None
     fix = f" (e.g. balance={even}, or leave balance out for that even split)" if even else ""
@@ -33,7 +33,7 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
 
 
 def balance_by_layers(num_layers: int, num_stages: int) -> list[int]:
-    from .errors import ConfigError
+    from ..errors import ConfigError
     if num_stages > num_layers:
         raise ConfigError(f"{num_stages} stages but only {num_layers} layers: each stage needs a layer; use at "
                           f"most {num_layers} stages (or fewer devices), or split the model into more layers")

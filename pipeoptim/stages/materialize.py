@@ -30,7 +30,7 @@ __all__ = ["layer_seed", "is_meta", "materialize", "initialize", "default_init",
 
 
 def _config_error(message: str) -> Exception:
-    from .errors import ConfigError
+    from ..errors import ConfigError
     return ConfigError(message)
 
 

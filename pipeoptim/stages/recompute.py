@@ -23,7 +23,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Mapping, Sequence
 
-from .errors import ConfigError   # torch is imported where a stage runs: the CLI checks the form without it
+from ..errors import ConfigError   # torch is imported where a stage runs: the CLI checks the form without it
 
 __all__ = ["ALL", "CheckpointStagesError", "parse_checkpoint_stages", "run_stage"]
 
