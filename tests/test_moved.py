@@ -1,6 +1,7 @@
 """The old import paths of moved modules (pipeoptim/_moved.py, and the CLI's pipeoptim.cli_* files) still import,
 as the very module at the new path, with a DeprecationWarning that names the new path; nothing here uses them."""
 import importlib
+import json
 import re
 import subprocess
 import sys
@@ -14,24 +15,49 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD_CLI = {"pipeoptim.cli_train": "pipeoptim.cli.train", "pipeoptim.cli_torchrun": "pipeoptim.cli.torchrun",
            "pipeoptim.cli_prepare": "pipeoptim.cli.prepare"}
 
+# run in a new interpreter, where nothing is imported yet: each old path imported twice (as a module, then as a
+# name of its parent, by import statements) and the new one once, with every warning recorded
+_IMPORT_EACH = r"""
+import importlib, json, sys, warnings
+out = {}
+for old, new in json.loads(sys.argv[1]).items():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        parent, _, leaf = old.rpartition(".")
+        space = {}
+        exec(f"import {old} as a\nfrom {parent} import {leaf} as b", space)   # as a user's code would
+        a, b = space["a"], space["b"]
+        c = importlib.import_module(new) if new else a
+    out[old] = {"same": a is b is c, "name": a.__name__,
+                "warnings": [f"{w.category.__name__}: {w.message}" for w in seen
+                             if issubclass(w.category, DeprecationWarning)],
+                "where": [w.filename for w in seen if issubclass(w.category, DeprecationWarning)]}
+print(json.dumps(out))
+"""
 
-def _import_fresh(code: str) -> str:
-    """Run ``code`` in a new interpreter (so no module is already imported) with every warning shown."""
-    done = subprocess.run([sys.executable, "-W", "always::DeprecationWarning", "-c", code], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+
+@pytest.fixture(scope="module")
+def imported() -> dict:
+    names = {**MOVED, **{old: "" for old in OLD_CLI}}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(names)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_path_is_the_new_module_with_a_warning_naming_it(old):
-    new = MOVED[old]
-    parent, _, leaf = old.rpartition(".")
-    out = _import_fresh(f"import {old} as a\nfrom {parent} import {leaf} as b\nimport {new} as c\n"
-                        f"print('same', a is b is c, a.__name__)")
-    assert f"same True {new}" in out
-    assert f"DeprecationWarning: {old} moved to {new}: import it from there" in out
-    assert out.count("DeprecationWarning") == 1        # once per process, however many times it is imported
+def test_an_old_path_is_the_new_module_with_one_warning_naming_it(imported):
+    for old, new in MOVED.items():
+        got = imported[old]
+        assert got["same"] and got["name"] == new, (old, got)
+        # once per process however often it is imported, and pointing at the importing line, not importlib's
+        assert got["warnings"] == [f"DeprecationWarning: {old} moved to {new}: import it from there"], (old, got)
+        assert got["where"] == ["<string>"], (old, got)
+
+
+def test_the_clis_old_module_paths_import_with_a_warning(imported):
+    for old, new in OLD_CLI.items():
+        assert imported[old]["warnings"] == [f"DeprecationWarning: {old} is deprecated: import {new} instead"], \
+            (old, imported[old])
 
 
 def test_a_patch_through_the_old_path_reaches_the_new_module(monkeypatch):
@@ -41,12 +67,6 @@ def test_a_patch_through_the_old_path_reaches_the_new_module(monkeypatch):
         old = importlib.import_module("pipeoptim.predictor")
     monkeypatch.setattr(old, "_can_swap", lambda: "patched")
     assert new._can_swap() == "patched"
-
-
-@pytest.mark.parametrize("old", sorted(OLD_CLI))
-def test_the_clis_old_module_paths_import_with_a_warning(old):
-    out = _import_fresh(f"import {old}")
-    assert f"{old} is deprecated: import {OLD_CLI[old]} instead" in out
 
 
 def test_the_new_paths_are_used_everywhere_in_the_repository():
