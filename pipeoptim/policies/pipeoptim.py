@@ -19,8 +19,9 @@ the uninterrupted one.
 the backward's weights, a Nesterov-like look-ahead that damps the oscillation a delay causes. In the one-direction
 model of benchmarks/quadratic_delay_model.md, with β1 = 0.95 and one update of delay (2BW), γ = 1.5–2 raises
 the largest stable lr·curvature from 4.0 (γ = 1) to 5.4 and contracts faster than γ = 1 at every lr·curvature
-above ~0.1. On a 16-stage GPT with Muon it did not beat γ = 1 (docs/studies/time-to-target.md, 6.7: 88.5
-against 87.0 updates to the target, 3 seeds), though its best lr doubled as the model predicts.
+above ~0.1. On a GPT with Muon on 2BW (docs/studies/time-to-target.md, 6.7; 3 seeds at each best lr, which
+doubled as the model predicts) γ = 2 needed the fewest updates to the target at 4 and 8 stages (84.5 and 84.4
+against 86.1 and 88.4 for γ = 1) but not at 16 (88.5 against 87.0), and was noisier at every depth.
 
 `delta="last_update"`: Δ is the last update the optimizer applied instead of its own rule's (`last_update`: any
 optimizer, torch.optim.Muon and a ChainedOptimizer included; one more copy of the weights, saved by `state_dict()`).
