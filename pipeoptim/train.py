@@ -78,6 +78,7 @@ from .runtime.cpu_memory import keep_freed_memory
 from .runtime.data_parallel import check_dp, devices_per_replica
 from .runtime.emulator import Emulator, emulated_device
 from .runtime.executor import Executor
+from .runtime.microbatches import split_batch
 from .runtime.plan import ConfigError, Plan
 from .runtime.stream import Stream
 from .runtime.tied import check_ties, plan_ties
@@ -85,8 +86,8 @@ from .runtime.watchdog import COLLECTIVE
 from .runtime.worker import DeviceWorker, StageRuntime
 from .schedules.actions import Chunk
 from .stages.copies import check_copies, copy_starts
-from .stages.model_cut import ModelCut, StageModule, as_layers, timing_copy
-from .stages.partition import balance_by_layers, balance_by_time, check_balance
+from .stages.balance import choose_balance
+from .stages.model_cut import ModelCut, StageModule, as_layers
 from .stages.recompute import parse_checkpoint_stages
 
 __all__ = ["Pipeline", "StageModule", "NonFiniteError", "NONFINITE_POLICIES"]
@@ -97,12 +98,6 @@ NONFINITE_POLICIES = ("stop", "skip")
 class NonFiniteError(ArithmeticError):
     """Raised by ``train_step`` on every rank, at the same step, when the loss or a gradient was NaN or inf
     under ``on_nonfinite="stop"``; the updates with non-finite gradients were not applied."""
-
-
-def _to(x, device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    return tuple(t.to(device) for t in x)
 
 
 BUILDING = "building its stages (Pipeline start-up)"
@@ -122,28 +117,6 @@ def _idle_when_built(init):
             if getattr(self, "_watch", None) is not None:
                 self._watch.idle()
     return build
-
-
-def _batch_rows(inputs: tuple, targets) -> int:
-    """The batch's row count, once every input and the targets agree on it and it is not 0: checked before
-    anything runs, since an empty batch would still run the schedule, decay the weights and move the
-    optimizer's moments, and targets of another length would fail at some later action."""
-    if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() >= 1 for x in inputs):
-        raise ValueError("a batch is (inputs, targets); inputs a tensor or a tuple of tensors, each with the batch "
-                         "dimension first")
-    rows = inputs[0].shape[0]
-    for i, x in enumerate(inputs[1:], 1):
-        if x.shape[0] != rows:
-            raise ValueError(f"input {i} of the batch has {x.shape[0]} rows but input 0 has {rows}: every input "
-                             "needs one row per sample")
-    if isinstance(targets, torch.Tensor) and (targets.dim() == 0 or targets.shape[0] != rows):
-        have = "no rows (a 0-dimensional tensor)" if targets.dim() == 0 else f"{targets.shape[0]} rows"
-        raise ValueError(f"the targets have {have} but the inputs have {rows}: give one target row per input "
-                         f"row (targets of shape ({rows}, ...))")
-    if rows == 0:
-        raise ValueError("the batch is empty (the inputs have 0 rows): refused before anything ran (a step on it "
-                         "would still decay the weights and the optimizer's moments); skip empty batches")
-    return rows
 
 
 class Pipeline:
@@ -226,7 +199,7 @@ class Pipeline:
         if stages is not None:
             cut = ModelCut.from_stages(stages, n_stages, schedule, devices)
         else:
-            self.balance = self._balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx)
+            self.balance = choose_balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx, BUILDING)
             cut = ModelCut.from_layers(layers, self.balance)
         self.checkpoint_stages = parse_checkpoint_stages(checkpoint_stages, [len(n) for n in cut.names])
         self.measure_activations = bool(measure_activations)
@@ -292,34 +265,6 @@ class Pipeline:
         self._delays = stage_delays(self.schedule)
         return rules
 
-    @staticmethod
-    def _balance(layers, balance, sample, n_stages, tdev, seed, init_fn, ctx) -> list[int]:
-        if balance is None:
-            return balance_by_layers(len(layers), n_stages)
-        if isinstance(balance, str):
-            if balance != "time":
-                raise ConfigError(f"balance={balance!r}: give layer counts per stage, or 'time' to profile")
-            if sample is None:
-                raise ConfigError("balance='time' profiles the layers on sample= (the first layer's input)")
-            balance_by_layers(len(layers), n_stages)  # same rule: a layer per stage at least
-            result = None
-            if ctx is None or ctx.rank == 0:  # one rank profiles, all use its cut (timings differ per process)
-                result = balance_by_time(layers, _to(sample, tdev), n_stages,
-                                         prepare=lambda i, layer: timing_copy(layer, str(i), tdev, seed, init_fn))
-            if ctx is not None:
-                import torch.distributed as dist
-                box = [result]
-                if ctx.watch is not None and ctx.rank != 0:
-                    ctx.watch.doing("waiting for rank 0's time-based balance (Pipeline start-up)", 0)
-                dist.broadcast_object_list(box, src=0)
-                if ctx.watch is not None:
-                    ctx.watch.working(BUILDING)
-                result = box[0]
-            return result
-        if len(layers) < n_stages:
-            balance_by_layers(len(layers), n_stages)
-        return check_balance(balance, len(layers), n_stages)
-
     def _runtime(self, chunk: Chunk, module: StageModule, optimizer, lr_scheduler, working, policy_options,
                  ckpt) -> StageRuntime:
         names = {local: module.global_name(local) for local, _ in module.named_parameters()}
@@ -339,20 +284,7 @@ class Pipeline:
 
     # ---- running ----------------------------------------------------------------------------------------
     def _split(self, batch):
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ValueError("a batch is (inputs, targets); inputs a tensor or a tuple of tensors")
-        inputs, targets = batch
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-        N = self.schedule.num_microbatches
-        B = _batch_rows(inputs, targets)
-        if B % N:
-            raise ValueError(f"batch size {B} is not divisible by {N} micro-batches; use a batch size that is a "
-                             f"multiple of {N}")
-        per_input = [x.to(self.device).chunk(N) for x in inputs]
-        micro_inputs = [tuple(p[i] for p in per_input) for i in range(N)]
-        tgt = targets.to(self.device) if isinstance(targets, torch.Tensor) else targets
-        micro_targets = list(tgt.chunk(N)) if isinstance(tgt, torch.Tensor) else [tgt] * N
-        return micro_inputs, micro_targets
+        return split_batch(batch, self.schedule.num_microbatches, self.device)
 
     def train_step(self, batch) -> float:
         """One iteration of the schedule on ``batch`` (split into micro-batches); returns the mean loss, the

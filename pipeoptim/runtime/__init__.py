@@ -1,6 +1,7 @@
 """The pipeline runtime: run a schedule's action lists on real processes or in one process.
 
     plan.Plan          what the executors derive from a schedule (s per forward, channels, loss scale)
+    microbatches       a batch checked and split into the micro-batches a schedule runs
     worker             one device's chunks and what each compute/step action does to them
     executor           one process per device on torch.distributed (gloo on CPU, NCCL on GPU)
     emulator           every device in one process, same numbers: the oracle and the fast path
