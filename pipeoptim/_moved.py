@@ -23,6 +23,13 @@ MOVED = {
     "pipeoptim.cpu_memory": "pipeoptim.runtime.cpu_memory",
     "pipeoptim.token_shards": "pipeoptim.data.token_shards",
     "pipeoptim.train_batches": "pipeoptim.data.batches",
+    # pipeoptim train's job, out of the command line into pipeoptim.job (TrainConfig, for Python and torchrun too)
+    "pipeoptim.cli.train_config": "pipeoptim.job.checks",
+    "pipeoptim.cli.train_rank": "pipeoptim.job.rank",
+    "pipeoptim.cli.run_dir": "pipeoptim.job.run_dir",
+    "pipeoptim.cli.train_outputs": "pipeoptim.job.outputs",
+    "pipeoptim.cli.torchrun": "pipeoptim.job.torchrun",
+    "pipeoptim.cli.torchrun_env": "pipeoptim.job.torchrun_env",
 }
 
 

@@ -20,6 +20,7 @@ from torch import nn
 import fault_harness as fh
 import fault_jobs as fj
 from pipeoptim.cli import train as cli_train
+from pipeoptim.job import TrainConfig
 from pipeoptim.runtime import checkpoint_files as files
 from pipeoptim.runtime.checkpoint_files import CheckpointError, CheckpointWarning
 from pipeoptim.train import Pipeline
@@ -75,7 +76,7 @@ def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(tmp_path, pl
     with pytest.raises(CheckpointError, match=rf"{step2}/{planted} is refused: it holds more than tensors"):
         _small().load(str(step2))
     with pytest.raises(CheckpointError, match=rf"{step2}/{planted} is refused"):
-        cli_train._resume_point(str(tmp_path / "ck"), {})
+        cli_train._resume_point(str(tmp_path / "ck"), TrainConfig())
     assert not marker.exists(), "the checkpoint ran its payload"
 
 
@@ -94,7 +95,7 @@ def test_a_planted_pickle_in_the_old_layout_without_a_manifest_is_refused(tmp_pa
     with pytest.raises(CheckpointError, match=rf"{root}/meta.pt is refused"), pytest.warns(CheckpointWarning):
         _small().load(str(root))
     with pytest.raises(CheckpointError, match=rf"{root}/meta.pt is refused"):
-        cli_train._resume_point(str(root), {})
+        cli_train._resume_point(str(root), TrainConfig())
     assert not marker.exists(), "the checkpoint ran its payload"
 
 
@@ -309,7 +310,7 @@ def test_parts_of_different_steps_are_refused_naming_the_file(tmp_path):
                        "parts of different checkpoints were mixed"):
         _small().load(str(step2))
     with pytest.raises(CheckpointError, match=rf"{step2}/part-1.pt holds step 1"):
-        cli_train._resume_point(str(root), {})
+        cli_train._resume_point(str(root), TrainConfig())
 
 
 def test_parts_of_different_steps_in_the_old_layout_are_refused(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeoptim.cli.torchrun import TorchrunEnv, torchrun_env
+from pipeoptim.job.torchrun import TorchrunEnv, torchrun_env
 from pipeoptim.cli.train import main
 from pipeoptim.runtime.dist_env import torchrun_agent
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeoptim.cli.train import ASYNC_1F1B_MUON_LR, _optimizer, main
+from pipeoptim.job import TrainConfig
 from pipeoptim.runtime.plan import ConfigError
 
 
@@ -104,8 +105,8 @@ def test_update_every_sets_2bws_steps_per_window_and_a_resume_must_keep_them(tmp
     --microbatches is one step per window; a resume with another M (another number of steps per window) is
     refused, naming both; a schedule other than 2bw refuses the flag."""
     from pipeoptim.cli import train as cli_train
-    run = {"schedule": "2bw", "stages": 2, "microbatches": 4}
-    assert cli_train._updates_per_window(run) == 2 and cli_train._updates_per_window({**run, "update_every": 4}) == 1
+    run = cli_train.TrainConfig(schedule="2bw", stages=2, microbatches=4)
+    assert cli_train._updates_per_window(run) == 2 and cli_train._updates_per_window(run.replace(update_every=4)) == 1
     common = [*TINY, "--schedule", "2bw", "--stream", "--eval-every", "0", "--run-dir", str(tmp_path)]
     import pipeoptim.train as train_module
     built = []
@@ -214,14 +215,14 @@ def test_without_lr_a_run_gets_its_pairs_measured_best_and_a_resume_keeps_the_ch
 
     def cfg(*flags):
         return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
-    assert (cfg()["lr"], cfg()["lr_given"]) == (ASYNC_1F1B_MUON_LR, False)
-    assert (cfg("--optimizer", "adamw")["lr"], cfg("--optimizer", "adamw")["lr_given"]) == (7.5e-4, False)
+    assert (cfg().lr, cfg().lr_given) == (ASYNC_1F1B_MUON_LR, False)
+    assert (cfg("--optimizer", "adamw").lr, cfg("--optimizer", "adamw").lr_given) == (7.5e-4, False)
     for other in (["--schedule", "1f1b"], ["--optimizer", "sgd"]):
-        assert cfg(*other)["lr"] == 3e-3, other
+        assert cfg(*other).lr == 3e-3, other
     # a recipe runs at the lr its evidence was measured at (issue 45.5: it got 3e-3, never measured)
-    assert (cfg("--recipe", "async-transformer")["lr"], cfg("--recipe", "async-transformer")["lr_given"]) == \
+    assert (cfg("--recipe", "async-transformer").lr, cfg("--recipe", "async-transformer").lr_given) == \
         (5e-4, False)
-    assert (cfg("--lr", "0.01")["lr"], cfg("--lr", "0.01")["lr_given"]) == (0.01, True)
+    assert (cfg("--lr", "0.01").lr, cfg("--lr", "0.01").lr_given) == (0.01, True)
 
     common = [*TINY, "--optimizer", "adamw", "--run-dir", str(tmp_path)]
     assert main([*common, "--steps", "2"]) == 0
@@ -245,7 +246,7 @@ def test_the_default_is_async_1f1b_with_pipeoptims_prediction_from_the_last_upda
     def cfg(*flags):
         return _config(build_parser().parse_args(["train", "--model", "tiny", "--emulate", *flags]))
     default = cfg()
-    assert {k: default[k] for k in ("schedule", "policy", "optimizer", "predict_from", "muon_scale", "lr")} == \
+    assert {k: getattr(default, k) for k in ("schedule", "policy", "optimizer", "predict_from", "muon_scale", "lr")} == \
         {"schedule": "async-1f1b", "policy": "pipeoptim", "optimizer": "muon", "predict_from": "last_update",
          "muon_scale": "adamw", "lr": ASYNC_1F1B_MUON_LR}
     made = _optimizer(default)([torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(3))])
@@ -254,8 +255,8 @@ def test_the_default_is_async_1f1b_with_pipeoptims_prediction_from_the_last_upda
     assert groups["Muon"]["momentum"] == 0.95 and groups["Muon"]["adjust_lr_fn"] == "match_rms_adamw"
     # the other optimizers keep their own defaults, and Muon's flags do not follow them there
     adamw = cfg("--optimizer", "adamw")
-    assert (adamw["predict_from"], adamw["muon_scale"], adamw["lr"]) == ("optimizer", None, 7.5e-4)
-    assert cfg("--policy", "stash")["predict_from"] == "optimizer"  # stashing predicts nothing
+    assert (adamw.predict_from, adamw.muon_scale, adamw.lr) == ("optimizer", None, 7.5e-4)
+    assert cfg("--policy", "stash").predict_from == "optimizer"  # stashing predicts nothing
     with pytest.raises(ConfigError, match="--muon-scale original sets how Muon scales its update, but the "
                                           "optimizer is adamw"):
         cfg("--optimizer", "adamw", "--muon-scale", "original")
@@ -612,11 +613,11 @@ def test_outputs_come_from_the_newest_checkpoint_whose_meta_is_intact(tmp_path, 
     blob[-20] ^= 0xFF  # the same size, other bytes: its hash no longer matches the manifest
     meta.write_bytes(bytes(blob))
     (tmp_path / "history.json").unlink()
-    got = outputs_from_checkpoint(str(tmp_path), {"model": "tiny", "stages": 2, "schedule": "1f1b",
-                                                  "policy": "none", "optimizer": "adamw"})
+    got = outputs_from_checkpoint(str(tmp_path), TrainConfig(model="tiny", stages=2, schedule="1f1b", policy="none",
+                                                             optimizer="adamw"))
     assert got == str(tmp_path / "checkpoint" / "step-00000002")
     assert [r["step"] for r in _strict(tmp_path / "history.json")["history"]] == [1, 2]
-    assert outputs_from_checkpoint(str(tmp_path / "none"), {}) is None
+    assert outputs_from_checkpoint(str(tmp_path / "none"), TrainConfig()) is None
 
 
 def test_the_loss_picture_says_tokens_for_a_prepared_tokenized_folder(tmp_path, monkeypatch):
@@ -626,9 +627,9 @@ def test_the_loss_picture_says_tokens_for_a_prepared_tokenized_folder(tmp_path, 
     from pipeoptim.cli.train import _write_outputs
     units = []
     monkeypatch.setattr(viz, "plot_training", lambda ax, history, unit, title: units.append(unit))
-    cfg = {"model": "hf-gpt2", "stages": 2, "schedule": "1f1b", "policy": "none", "optimizer": "adamw"}
+    cfg = TrainConfig(model="hf-gpt2", stages=2, schedule="1f1b", policy="none", optimizer="adamw")
     rows = [{"step": 1, "loss": 5.0, "val_loss": None}]
-    _write_outputs(str(tmp_path), rows, {**cfg, "prepared": {"tokenizer": "tok.json"}})
-    _write_outputs(str(tmp_path), rows, {**cfg, "prepared": {"tokenizer": "bytes"}})
+    _write_outputs(str(tmp_path), rows, cfg.replace(prepared={"tokenizer": "tok.json"}))
+    _write_outputs(str(tmp_path), rows, cfg.replace(prepared={"tokenizer": "bytes"}))
     _write_outputs(str(tmp_path), rows, cfg)
     assert units == ["nats/token", "nats/byte", "nats/byte"]

@@ -68,3 +68,22 @@ def test_a_config_that_needs_custom_code_is_refused_saying_so(tmp_path, capsys):
 def test_hf_set_without_hf_config_is_refused(tmp_path, capsys):
     assert main(["--hf-set", "num_hidden_layers=2", "--emulate", "--steps", "1", "--run-dir", str(tmp_path)]) == 2
     assert "--hf-set changes the config of --hf-config; give --hf-config PATH_OR_NAME too" in capsys.readouterr().err
+
+
+def test_a_gpt2_or_llama_config_with_a_tokenizer_is_not_taken_for_a_built_in_model(tmp_path):
+    """Regression: --hf-config of a gpt2 (or llama) config with --tokenizer was refused with "drop --model
+    hf-gpt2": resolving the config again at the tokenizer's vocabulary met the model name the first resolution had
+    set, which is also a built-in --model's."""
+    from test_cli_train import _local_tokenizer, _some_text
+
+    from pipeoptim.cli import build_parser
+    from pipeoptim.cli.train import _config
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(_some_text())
+    vocab = _local_tokenizer(tmp_path / "tok", text.read_bytes())
+    transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64).save_pretrained(tmp_path / "model")
+    cfg = _config(build_parser().parse_args(
+        ["train", "--hf-config", str(tmp_path / "model"), "--tokenizer", str(tmp_path / "tok"), "--data", str(text),
+         "--stages", "2", "--emulate"]))
+    assert (cfg.model, cfg.vocab_size, cfg.hf_spec["model_type"]) == ("hf-gpt2", vocab, "gpt2")
+    assert f"vocab_size 50257 -> {vocab}" in " ".join(cfg.hf_spec["notes"])

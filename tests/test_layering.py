@@ -32,6 +32,7 @@ LAYERS = [
     ("data", ["pipeoptim.data"]),
     ("pipeline", ["pipeoptim.train"]),
     ("models", ["pipeoptim.models", "pipeoptim.recipes"]),
+    ("job", ["pipeoptim.job"]),
     ("cli", ["pipeoptim.cli", "pipeoptim.cli_train", "pipeoptim.cli_torchrun", "pipeoptim.cli_prepare"]),
 ]
 

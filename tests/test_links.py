@@ -78,9 +78,9 @@ def test_train_flags_refuse_bad_specs_and_label_the_emulation():
         parser.parse_args(["train", "--link", "latency=30"])
     cfg = _config(build_parser().parse_args(["train", "--model", "tiny", "--stages", "2", "--link", "internet",
                                              "--straggler", "1:1.5"]))
-    assert cfg["emulation"] == ("emulated: link internet (latency=30ms,bandwidth=100Mbit/s); "
+    assert cfg.emulation == ("emulated: link internet (latency=30ms,bandwidth=100Mbit/s); "
                                 "straggler device 1 x1.5")
-    assert _config(build_parser().parse_args(["train", "--model", "tiny", "--stages", "2"]))["emulation"] == ""
+    assert _config(build_parser().parse_args(["train", "--model", "tiny", "--stages", "2"])).emulation == ""
     with pytest.raises(ConfigError, match="devices 0..1"):
         _config(build_parser().parse_args(["train", "--model", "tiny", "--stages", "2", "--straggler", "2:2"]))
     with pytest.raises(ConfigError, match="Drop --emulate"):
@@ -116,7 +116,7 @@ def test_link_is_refused_across_machines_under_torchrun(monkeypatch):
     with pytest.raises(ConfigError, match="only one machine"):
         _config(args)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")   # both ranks on this node: allowed
-    assert _config(args)["emulation"].startswith("emulated: link internet")
+    assert _config(args).emulation.startswith("emulated: link internet")
 
 
 def test_link_is_refused_on_gpus_before_anything_starts():

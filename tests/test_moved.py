@@ -12,7 +12,7 @@ import pytest
 from pipeoptim._moved import MOVED
 
 ROOT = Path(__file__).resolve().parents[1]
-OLD_CLI = {"pipeoptim.cli_train": "pipeoptim.cli.train", "pipeoptim.cli_torchrun": "pipeoptim.cli.torchrun",
+OLD_CLI = {"pipeoptim.cli_train": "pipeoptim.cli.train", "pipeoptim.cli_torchrun": "pipeoptim.job.torchrun",
            "pipeoptim.cli_prepare": "pipeoptim.cli.prepare"}
 
 # run in a new interpreter, where nothing is imported yet: each old path imported twice (as a module, then as a

@@ -11,6 +11,7 @@ from torch import nn
 
 from pipeoptim import recipes
 from pipeoptim.cli.train import _optimizer, add_arguments, apply_recipe
+from pipeoptim.job import TrainConfig
 from pipeoptim.runtime.plan import ConfigError
 from pipeoptim.train import Pipeline
 
@@ -55,32 +56,29 @@ def test_every_recipe_builds_its_pipeline_and_warms_the_lr_up(one_thread):
 
 def _args(*argv):
     p = add_arguments(argparse.ArgumentParser())
-    return p.parse_args(list(argv))
+    return TrainConfig.from_args(p.parse_args(list(argv)))
 
 
 def test_cli_recipe_sets_its_flags_and_refuses_a_contradicting_one():
     r = recipes.get("async-transformer")
-    args = _args("--recipe", "async-transformer")
-    apply_recipe(args)
+    args = apply_recipe(_args("--recipe", "async-transformer"))
     assert (args.schedule, args.policy, args.optimizer, args.momentum, args.weight_decay) == \
         (r.schedule, r.policy, r.optimizer, r.beta1, r.weight_decay)
-    same = _args("--recipe", "async-transformer", "--schedule", r.schedule)
-    apply_recipe(same)           # agreeing with the recipe is fine
+    same = apply_recipe(_args("--recipe", "async-transformer", "--schedule", r.schedule))  # agreeing is fine
     assert same.schedule == r.schedule
     with pytest.raises(ConfigError, match="--recipe async-transformer sets --schedule 2bw but you gave --schedule gpipe"):
         apply_recipe(_args("--recipe", "async-transformer", "--schedule", "gpipe"))
     with pytest.raises(ConfigError, match="sets --weight-decay"):
         apply_recipe(_args("--recipe", "async-transformer", "--weight-decay", "0"))
-    plain = _args()
-    apply_recipe(plain)          # no recipe: nothing changes
-    assert plain.schedule == "async-1f1b" and plain.weight_decay is None
+    plain = apply_recipe(_args())  # no recipe: nothing changes
+    assert plain == _args() and plain.schedule == "async-1f1b" and plain.weight_decay is None
 
 
 def test_cli_weight_decay_reaches_the_optimizer():
     w = [nn.Parameter(torch.zeros(2, 2))]
     for name in ("adamw", "nadam"):
-        assert _optimizer({"optimizer": name, "lr": 1e-3})(w).param_groups[0]["weight_decay"] == 0.01
-        assert _optimizer({"optimizer": name, "lr": 1e-3, "weight_decay": 0.1})(w).param_groups[0]["weight_decay"] == 0.1
+        assert _optimizer(TrainConfig(optimizer=name, lr=1e-3))(w).param_groups[0]["weight_decay"] == 0.01
+        assert _optimizer(TrainConfig(optimizer=name, lr=1e-3, weight_decay=0.1))(w).param_groups[0]["weight_decay"] == 0.1
 
 
 def test_linear_warmup_refuses_a_length_that_is_no_whole_positive_number():
@@ -95,17 +93,17 @@ def test_cli_muon_scale_adamw_gives_both_optimizers_the_lr_and_weight_decay():
     own scaling and AdamW at 1e-3."""
     from pipeoptim.optim import as_optimizer
     params = [nn.Parameter(torch.zeros(4, 3)), nn.Parameter(torch.zeros(3))]
-    made = _optimizer({"optimizer": "muon", "lr": 2e-3, "weight_decay": 0.1, "muon_scale": "adamw"})(params)
+    made = _optimizer(TrainConfig(optimizer="muon", lr=2e-3, weight_decay=0.1, muon_scale="adamw"))(params)
     by_kind = {type(o).__name__: o.param_groups[0] for o in made}
     assert by_kind["Muon"]["adjust_lr_fn"] == "match_rms_adamw"
     assert by_kind["Muon"]["lr"] == by_kind["AdamW"]["lr"] == 2e-3
     assert by_kind["Muon"]["weight_decay"] == by_kind["AdamW"]["weight_decay"] == 0.1
     assert by_kind["Muon"]["momentum"] == 0.95
-    default = {type(o).__name__: o.param_groups[0] for o in _optimizer({"optimizer": "muon", "lr": 2e-3})(params)}
+    default = {type(o).__name__: o.param_groups[0] for o in _optimizer(TrainConfig(optimizer="muon", lr=2e-3))(params)}
     assert default["Muon"]["adjust_lr_fn"] == "match_rms_adamw" and default["AdamW"]["lr"] == 2e-3
     assert default["Muon"]["weight_decay"] == default["AdamW"]["weight_decay"] == 0.1
     plain = {type(o).__name__: o.param_groups[0]
-             for o in _optimizer({"optimizer": "muon", "lr": 2e-3, "muon_scale": "original"})(params)}
+             for o in _optimizer(TrainConfig(optimizer="muon", lr=2e-3, muon_scale="original"))(params)}
     assert plain["Muon"]["adjust_lr_fn"] in (None, "original") and plain["AdamW"]["lr"] == 1e-3
     assert as_optimizer(made) is not None
 
@@ -114,9 +112,9 @@ def test_cli_muon_scale_needs_muon():
     from pipeoptim.cli.train import _check_prediction
     with pytest.raises(ConfigError, match="--muon-scale adamw sets how Muon scales its update, but the optimizer is "
                                           "adamw; use --optimizer muon or drop --muon-scale"):
-        _check_prediction({"optimizer": "adamw", "policy": "pipeoptim", "muon_scale": "adamw"})
-    _check_prediction({"optimizer": "muon", "policy": "pipeoptim", "muon_scale": "adamw",
-                       "predict_from": "last_update"})
+        _check_prediction(TrainConfig(optimizer="adamw", policy="pipeoptim", muon_scale="adamw"))
+    _check_prediction(TrainConfig(optimizer="muon", policy="pipeoptim", muon_scale="adamw",
+                                  predict_from="last_update"))
 
 
 def test_every_recipe_trains_from_the_cli(tmp_path, capsys, one_thread):
@@ -141,8 +139,7 @@ def test_a_flag_given_at_its_default_value_still_contradicts_the_recipe():
         apply_recipe(_args("--recipe", "async-transformer-muon", "--schedule", "async-1f1b"))
     with pytest.raises(ConfigError, match="sets --muon-scale adamw but you gave --muon-scale original"):
         apply_recipe(_args("--recipe", "async-transformer-muon", "--muon-scale", "original"))
-    args = _args("--recipe", "async-transformer-muon", "--optimizer", "muon")  # agreeing, given: fine
-    apply_recipe(args)
+    args = apply_recipe(_args("--recipe", "async-transformer-muon", "--optimizer", "muon"))  # agreeing, given: fine
     assert args.optimizer == "muon" and args.muon_scale == "adamw"
 
 
@@ -150,16 +147,14 @@ def test_a_recipe_without_lr_takes_the_lr_it_was_measured_at_or_refuses_another_
     # issue 45.5: `--recipe async-transformer-muon --model hf-llama` trained at 3e-3, never measured
     for name, stages, lr in [("async-transformer-muon", "4", 3.2e-2), ("async-transformer-muon", "8", 1.6e-2),
                              ("async-transformer", "16", 5e-4)]:
-        args = _args("--recipe", name, "--stages", stages)
-        apply_recipe(args)
+        args = apply_recipe(_args("--recipe", name, "--stages", stages))
         assert args.recipe_lr == lr
     with pytest.raises(ConfigError, match=r"--recipe async-transformer-muon without --lr: recipe "
                                           r"'async-transformer-muon' was measured on 4 devices at lr 0.032, 8 devices "
                                           r"at lr 0.016, 16 devices at lr 0.016, not on 2; give a learning rate"):
         apply_recipe(_args("--recipe", "async-transformer-muon", "--stages", "2"))
-    given = _args("--recipe", "async-transformer-muon", "--stages", "2", "--lr", "1e-2")
-    apply_recipe(given)  # a given lr is the user's: any depth
-    assert not hasattr(given, "recipe_lr")
+    given = apply_recipe(_args("--recipe", "async-transformer-muon", "--stages", "2", "--lr", "1e-2"))
+    assert given.recipe_lr is None  # a given lr is the user's: any depth
     assert "measured on 4 devices at lr 0.032" in recipes.get("async-transformer-muon").describe()
 
 

@@ -40,16 +40,16 @@ def _fake_pipe(stages_held, num_stages=4, dp_rank=0):
 
 
 def test_a_middle_rank_gets_shapes_only_and_opens_nothing(tmp_path):
-    cfg = {"seq_len": 16, "seed": 0, "dp": 2, "prepared": {"data_sha256": "x"}, "data": str(tmp_path / "absent")}
+    cfg = {"seq_len": 16, "seed": 0, "dp": 2, "shards": str(tmp_path / "absent")}
     never = lambda: pytest.fail("a middle rank read the text")  # noqa: E731
-    middle = for_rank(cfg, _fake_pipe([1, 2]), rank=1, corpus=never)
+    middle = for_rank(_fake_pipe([1, 2]), rank=1, corpus=never, **cfg)
     assert isinstance(middle, ShapeOnly)
     x, y = middle.train(8)
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.long  # this replica's share of 8 rows
     with pytest.raises(ts.DataError, match="absent"):  # the first stage does open it (and finds nothing here)
-        for_rank(cfg, _fake_pipe([0]), rank=2, corpus=never)
-    assert isinstance(for_rank({**cfg, "prepared": None}, _fake_pipe([3]), rank=3, corpus=lambda: "text"),
-                       TextBatches)
+        for_rank(_fake_pipe([0]), rank=2, corpus=never, **cfg)
+    assert isinstance(for_rank(_fake_pipe([3]), rank=3, corpus=lambda: "text", **{**cfg, "shards": None}),
+                      TextBatches)
 
 
 def test_a_replica_reads_only_its_rows_of_the_global_batch(tmp_path):

@@ -10,7 +10,7 @@ per stage. ``--dp 2`` runs two data-parallel replicas of the pipeline (``--stage
 window draws ``dp`` x the batch and replica q trains on its q-th share (``runtime.data_parallel``), so a window
 sees ``dp`` times the rows and, for a synchronous schedule, updates as one pipeline on that doubled batch.
 Started by torchrun (``torchrun --nnodes N --nproc-per-node M ... -m pipeoptim.cli train``, on one machine or
-several), every process is one rank of the job instead (``cli.torchrun``). ``--model hf-gpt2`` / ``hf-llama``
+several), every process is one rank of the job instead (``job.torchrun``). ``--model hf-gpt2`` / ``hf-llama``
 train a Hugging Face GPT-2 / Llama built from a config (random init, nothing downloaded) on the meta device, each
 rank materialising only its own stages (``pip install 'pipeoptim[hf]'``).
 
@@ -31,26 +31,26 @@ signal N.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
 
-from . import run_dir, train_arguments, train_config, train_outputs, train_rank
+from ..job import checks, config, data_checks, derived, outputs, rank, run_dir
+from ..job.checks import *  # noqa: F401,F403  (every part's public names, as pipeoptim.cli.train.X)
+from ..job.checks import _check_prediction  # noqa: F401
+from ..job.derived import *  # noqa: F401,F403
+from ..job.derived import _optimizer, _updates_per_window  # noqa: F401
+from ..job.config import *  # noqa: F401,F403
+from ..job.launch import run as run_config
+from ..job.outputs import *  # noqa: F401,F403
+from ..job.outputs import _write_outputs  # noqa: F401
+from ..job.rank import *  # noqa: F401,F403
+from ..job.run_dir import *  # noqa: F401,F403
+from ..job.run_dir import (_check_dp_change, _claim_run_dir, _newest_checkpoint, _resume_point,  # noqa: F401
+                           _run_dir_lock)
+from . import train_arguments
 from .help import HelpFormatter
-from .run_dir import *  # noqa: F401,F403  (every module's public names, as pipeoptim.cli.train.X)
-from .run_dir import (_check_dp_change, _claim_run_dir, _newest_checkpoint, _resume_point,  # noqa: F401
-                      _run_dir_lock)
-from .torchrun_env import torchrun_env
 from .train_arguments import *  # noqa: F401,F403
 from .train_arguments import add_arguments
-from .train_config import *  # noqa: F401,F403
-from .train_config import _check_prediction, _config, _optimizer, _updates_per_window  # noqa: F401
-from .train_outputs import *  # noqa: F401,F403
-from .train_outputs import _nothing_to_do, _outputs_on_the_way_out, _write_outputs, report
-from .train_rank import *  # noqa: F401,F403
-from .train_rank import train_worker
 
-_PARTS = (train_arguments, train_config, run_dir, train_rank, train_outputs)
+_PARTS = (train_arguments, config, checks, data_checks, derived, run_dir, rank, outputs)
 __all__ = ["run", "register", "main", *(name for part in _PARTS for name in part.__all__)]
 
 
@@ -62,53 +62,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def run(args) -> int:
-    if torchrun_env() is not None:  # started by torchrun: this process is one rank of the job
-        from .torchrun import run_rank
-        return run_rank(args)
-    from ..runtime.checkpoint_files import CheckpointError
-    from ..errors import ConfigError, PipelineError
-    ckpt_root = os.path.join(args.run_dir, "checkpoint")
-    try:
-        cfg = _config(args)  # every check before torch is imported: a wrong flag is answered at once
-        with _run_dir_lock(args.run_dir):
-            cfg["resume_from"] = None
-            if _claim_run_dir(args, ckpt_root):
-                try:
-                    cfg["resume_from"], at, extra = _resume_point(ckpt_root, cfg)
-                except (FileNotFoundError, CheckpointError) as e:
-                    raise ConfigError(f"--resume: {e}") from None
-                if at >= args.steps:  # nothing to train, nothing to save: the checkpoint stays as it is
-                    _nothing_to_do(at, args.steps, cfg["resume_from"], extra)
-                    return 0
-                print(f"resuming from {cfg['resume_from']} (step {at} of {args.steps})", file=sys.stderr)
-            from ..runtime.launcher import JobInterrupted, launch  # loads torch
-            t0 = time.perf_counter()
-            try:
-                if args.emulate:
-                    import torch
-                    torch.set_num_threads(max(1, torch.get_num_threads()))
-                    result = train_worker(cfg)
-                else:
-                    result = launch(train_worker, args.stages * args.dp, cfg, timeout_s=None, port=args.port,
-                                    watchdog_s=args.watchdog_s, forward_sigterm=True)[0]
-            except (JobInterrupted, KeyboardInterrupt) as e:
-                signum = getattr(e, "signum", 2)
-                print(f"pipeoptim train: {e or 'interrupted'}", file=sys.stderr)
-                _outputs_on_the_way_out(args.run_dir, cfg)
-                if line := _newest_checkpoint(ckpt_root):
-                    print(f"pipeoptim train: {line}", file=sys.stderr)
-                return 128 + signum
-            except PipelineError as e:
-                print(f"pipeoptim train: failed: {e}", file=sys.stderr)
-                _outputs_on_the_way_out(args.run_dir, cfg)
-                if line := _newest_checkpoint(ckpt_root, str(e)):
-                    print(f"pipeoptim train: {line}", file=sys.stderr)
-                return 1
-    except ConfigError as e:
-        print(f"pipeoptim train: invalid configuration: {e}", file=sys.stderr)
-        return 2
-    return report(result, cfg, args, t0)
+def _config(args: argparse.Namespace) -> TrainConfig:  # noqa: F405
+    """The checked configuration of a parsed command line (``ConfigError`` if it cannot run)."""
+    return check(TrainConfig.from_args(args))  # noqa: F405
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pipeoptim train`` with parsed flags: the job (``pipeoptim.job.run``) of their ``TrainConfig``."""
+    return run_config(TrainConfig.from_args(args))  # noqa: F405
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -1,13 +1,15 @@
 """``pipeoptim train``'s flags: the parser, the defaults they stand for, and the named recipes they can apply.
 
 Cheap on purpose (no torch, nothing heavy imported): ``pipeoptim --help`` builds this parser, and a wrong flag is
-answered before anything loads. The checks that need more than one flag at a time are ``train_config``'s.
+answered before anything loads. The flags are the fields of ``pipeoptim.job.TrainConfig`` (its defaults are theirs:
+a test keeps the two equal); the checks that need more than one flag at a time are ``job.checks``'.
 """
 from __future__ import annotations
 
 import argparse
 
 from ..delay import LR_RULES, MOMENTUM_RULES
+from ..job.config import ASYNC_1F1B_ADAMW_LR, ASYNC_1F1B_MUON_LR, DEFAULT_LR, OPTIMIZERS, SIZES
 
 from .arg_types import non_negative_float as _non_negative_float
 from .arg_types import non_negative_int as _non_negative_int
@@ -15,25 +17,7 @@ from .arg_types import port as _port
 from .arg_types import positive_float as _positive_float
 from .arg_types import positive_int as _positive_int
 
-__all__ = ["SIZES", "OPTIMIZERS", "DEFAULT_LR", "ASYNC_1F1B_ADAMW_LR", "ASYNC_1F1B_MUON_LR", "add_arguments",
-           "default_lr", "recipe_names", "RECIPE_FLAGS", "apply_recipe"]
-
-
-SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
-    "tiny": (32, 2, 2, 32),
-    "small": (64, 4, 4, 64),
-    "medium": (128, 4, 6, 128),
-    "hf-gpt2": (64, 4, 4, 64),   # transformers.GPT2LMHeadModel, meta-built
-    "hf-llama": (64, 4, 4, 64),  # transformers.LlamaForCausalLM, meta-built
-}
-OPTIMIZERS = ("adamw", "adam", "sgd", "rmsprop", "nadam", "muon")  # muon: Muon on the matrices + AdamW
-# --lr when none is given. On the default run (the small GPT, 4 stages, 8 micro-batches, AdamW; 3 seeds, each lr
-# bracketed on both sides) asynchronous 1F1B learned best at a quarter of the lr that suited the synchronous weights
-# (2BW with one update per window, GPipe's weights): 7.5e-4 against 3e-3, validation 2.051 against 2.223 at 3e-3.
-DEFAULT_LR, ASYNC_1F1B_ADAMW_LR = 3e-3, 7.5e-4
-# The main job's default pair, asynchronous 1F1B + PipeOptim's prediction from the last update + Muon at AdamW's
-# scale: the best lr of the same 3-seed sweep, bracketed on both sides (docs/getting-started.md, "The main job").
-ASYNC_1F1B_MUON_LR = 8e-3
+__all__ = ["add_arguments", "recipe_names"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -176,25 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "long: it sleeps 0.5x each op's time). Labelled as emulation in the outputs")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and the data order")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(_flag_defaults={dest: p.get_default(dest) for dest in RECIPE_FLAGS})
+    p.set_defaults(_given=frozenset())  # the recipe flags given (_Given adds them): a recipe compares those
     return p
-
-
-def default_lr(schedule: str, optimizer: str) -> float:
-    """The peak lr a run gets without --lr (``DEFAULT_LR`` but for the measured asynchronous pairs)."""
-    measured = {("async-1f1b", "adamw"): ASYNC_1F1B_ADAMW_LR, ("async-1f1b", "muon"): ASYNC_1F1B_MUON_LR}
-    return measured.get((schedule, optimizer), DEFAULT_LR)
 
 
 def recipe_names() -> list[str]:
     from ..recipes import names  # no torch
     return names()
-
-
-# the flags a recipe may set, as they are spelled on the command line
-RECIPE_FLAGS = {"schedule": "--schedule", "policy": "--policy", "optimizer": "--optimizer", "momentum": "--momentum",
-                "weight_decay": "--weight-decay", "delay_lr": "--delay-lr", "delay_momentum": "--delay-momentum",
-                "delay_warmup": "--delay-warmup", "predict_from": "--predict-from", "muon_scale": "--muon-scale"}
 
 
 class _Given(argparse.Action):
@@ -204,32 +176,6 @@ class _Given(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, values)
         setattr(namespace, "_given", set(getattr(namespace, "_given", ())) | {self.dest})
-
-
-def apply_recipe(args) -> None:
-    """Set the flags `--recipe` names; a flag the user gave with another value is an error, never overridden (even
-    when the value given is the flag's default). Without --lr, the lr the recipe was measured at on --stages
-    devices, or a ConfigError naming the depths it was measured on."""
-    if not getattr(args, "recipe", None):
-        return
-    from ..recipes import get
-    from ..errors import ConfigError
-    recipe = get(args.recipe)
-    given = getattr(args, "_given", None)  # None: args not made by this parser (compare with the defaults)
-    defaults = getattr(args, "_flag_defaults", {})
-    for dest, value in recipe.cli_flags().items():
-        current = getattr(args, dest)
-        was_given = dest in given if given is not None else current != defaults.get(dest)
-        if was_given and current != value:
-            raise ConfigError(f"--recipe {recipe.name} sets {RECIPE_FLAGS[dest]} {value} but you gave "
-                              f"{RECIPE_FLAGS[dest]} {current}; drop one of the two (pipeoptim.recipes says what the "
-                              "recipe was measured with)")
-        setattr(args, dest, value)
-    if getattr(args, "lr", None) is None:
-        try:
-            args.recipe_lr = recipe.lr_for(args.stages)
-        except ValueError as e:
-            raise ConfigError(f"--recipe {recipe.name} without --lr: {e} with --lr") from None
 
 
 def _checkpoint_stages(text: str):

@@ -31,14 +31,16 @@ def reads_data(pipe, rank: int) -> bool:
     return rank == 0 or 0 in held or pipe.schedule.num_stages - 1 in held
 
 
-def for_rank(cfg: dict, pipe, rank: int, corpus: Callable[[], object]):
-    """The batch source of this rank: ``corpus()`` (the in-memory text) is called only where it is read."""
-    dp, q, seq_len = cfg.get("dp", 1), pipe.dp_rank, cfg["seq_len"]
+def for_rank(pipe, rank: int, corpus: Callable[[], object], *, seq_len: int, seed: int, dp: int = 1,
+             shards: str | None = None):
+    """The batch source of this rank: windows of ``seq_len`` tokens from the folder of ``pipeoptim prepare-data``
+    ``shards``, or else from ``corpus()`` (the in-memory text), called only where it is read."""
+    q = pipe.dp_rank
     if not reads_data(pipe, rank):
         return ShapeOnly(seq_len, dp)
-    if cfg.get("prepared"):
-        return ShardBatches(cfg["data"], cfg["seed"], seq_len, q, dp)
-    return TextBatches(corpus(), cfg["seed"], seq_len, q, dp)
+    if shards:
+        return ShardBatches(shards, seed, seq_len, q, dp)
+    return TextBatches(corpus(), seed, seq_len, q, dp)
 
 
 class ShardBatches:

@@ -11,7 +11,8 @@ import signal
 import sys
 import time
 
-from .train_config import _oversubscribed, _ranks_here
+from .derived import _oversubscribed, _ranks_here
+from .config import TrainConfig
 
 __all__ = ["NONFINITE_EXIT", "outputs_from_checkpoint", "report"]
 
@@ -42,10 +43,10 @@ def _replace_file(path: str, write) -> None:
             os.remove(tmp)
 
 
-def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
+def _write_outputs(run_dir: str, history: list[dict], cfg: TrainConfig) -> None:
     """history.json and loss.png of ``history`` (each replaced whole, so a reader never sees half of one)."""
     os.makedirs(run_dir, exist_ok=True)
-    config = {k: v for k, v in cfg.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    config = {k: v for k, v in cfg.to_dict().items() if isinstance(v, (int, float, str, bool, type(None)))}
     text = json.dumps(_strict_json({"config": config, "history": history}), indent=1, allow_nan=False)
     _replace_file(os.path.join(run_dir, "history.json"), lambda f: f.write(text.encode()))
     try:
@@ -56,18 +57,18 @@ def _write_outputs(run_dir: str, history: list[dict], cfg: dict) -> None:
         return
     from ..viz import plot_training
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    model = cfg["model"] if cfg["model"].startswith("hf-") else f"{cfg['model']} GPT"
+    model = cfg.model if cfg.model.startswith("hf-") else f"{cfg.model} GPT"
     from ..data.token_shards import BYTES
-    prepared = cfg.get("prepared")  # a prepare-data folder holds tokens of its tokenizer, given or not
-    unit = "nats/token" if cfg.get("tokenizer") or (prepared and prepared["tokenizer"] != BYTES) else "nats/byte"
+    prepared = cfg.prepared  # a prepare-data folder holds tokens of its tokenizer, given or not
+    unit = "nats/token" if cfg.tokenizer or (prepared and prepared["tokenizer"] != BYTES) else "nats/byte"
     plot_training(ax, history, unit=unit,
-                  title=f"{model}, {cfg['stages']} stages, {cfg['schedule']} + {cfg['policy']}, {cfg['optimizer']}")
+                  title=f"{model}, {cfg.stages} stages, {cfg.schedule} + {cfg.policy}, {cfg.optimizer}")
     fig.tight_layout()
     _replace_file(os.path.join(run_dir, "loss.png"), lambda f: fig.savefig(f, dpi=100, format="png"))
     plt.close(fig)
 
 
-def outputs_from_checkpoint(run_dir: str, cfg: dict) -> str | None:
+def outputs_from_checkpoint(run_dir: str, cfg: TrainConfig) -> str | None:
     """Write history.json and loss.png from the newest committed checkpoint under ``run_dir`` (the history it
     holds: what a ``--resume`` continues), whatever state the outputs were left in by a run that died; its
     directory, or None when there is none (the outputs are then left as they are). Only meta.pt is read (its
@@ -88,17 +89,17 @@ def outputs_from_checkpoint(run_dir: str, cfg: dict) -> str | None:
     return None
 
 
-def _idle_words(cfg: dict, percent: float) -> str:
-    if cfg.get("emulate"):
+def _idle_words(cfg: TrainConfig, percent: float) -> str:
+    if cfg.emulate:
         return (f"idle {percent:.0f}% (--emulate: the stages run one after another, so it is not the schedule's "
                 "bubble); ")
     if _oversubscribed(cfg):
-        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg['cores']} core(s): it measures the "
+        return (f"idle {percent:.0f}% ({_ranks_here(cfg)} ranks on {cfg.cores} core(s): it measures the "
                 "machine, not the schedule's bubble); ")
     return f"bubble {percent:.0f}%; "
 
 
-def _outputs_on_the_way_out(run_dir: str, cfg: dict) -> None:
+def _outputs_on_the_way_out(run_dir: str, cfg: TrainConfig) -> None:
     """After a run ended early (a signal, a dead rank): its outputs from its newest committed checkpoint. A
     second Ctrl-C while they are written leaves the ones the last checkpoint wrote, which are whole."""
     try:
@@ -114,11 +115,11 @@ def _nothing_to_do(at: int, steps: int, resume_from: str, extra: dict) -> None:
     print(f"final loss: {done[-1].get('loss', float('nan')):.4f}")
 
 
-def report(result: dict, cfg: dict, args, t0: float) -> int:
+def report(result: dict, cfg: TrainConfig, t0: float) -> int:
     """Print the run's summary and ``final loss``; the exit status (``NONFINITE_EXIT`` after a NaN stop)."""
     hist = result["history"][result.get("start", 0):]  # this run's steps: not the resumed run's
     if not hist:
-        print(f"nothing to do: step {result.get('start', 0)} of {args.steps} already reached", file=sys.stderr)
+        print(f"nothing to do: step {result.get('start', 0)} of {cfg.steps} already reached", file=sys.stderr)
     else:
         first, last = hist[0]["loss"], hist[-1]["loss"]
         tail = hist[-max(1, len(hist) // 10):]
@@ -127,10 +128,10 @@ def report(result: dict, cfg: dict, args, t0: float) -> int:
               + _idle_words(cfg, 100 * sum(h['bubble'] for h in tail) / len(tail))
               + (f"validation loss {result['val_loss']:.4f}; " if math.isfinite(result["val_loss"]) else "")
               + f"wall {time.perf_counter() - t0:.0f} s"
-              + (f" ({cfg['emulation']})" if cfg.get("emulation") else ""))
-        print(f"run directory: {os.path.abspath(args.run_dir)} (checkpoint/, loss.png, history.json)")
+              + (f" ({cfg.emulation})" if cfg.emulation else ""))
+        print(f"run directory: {os.path.abspath(cfg.run_dir)} (checkpoint/, loss.png, history.json)")
     if result.get("preempted"):
-        print(f"pipeoptim train: stopped by SIGTERM after step {result['preempted']} of {args.steps}: every rank "
+        print(f"pipeoptim train: stopped by SIGTERM after step {result['preempted']} of {cfg.steps}: every rank "
               f"stopped after that step, whose checkpoint is {result['checkpoint']}; continue with --resume",
               file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -1,8 +1,8 @@
 """The run directory of ``pipeoptim train``: the lock that keeps two runs out of one directory, claiming it
 (``--overwrite``, ``--resume``), the checkpoint a run resumes from and what a resumed run must keep unchanged.
 
-Both ways of starting a run use it: the local launcher (``cli.train``) and rank 0 of a torchrun job
-(``cli.torchrun``), before any rank reads the directory.
+Both ways of starting a run use it: the local launcher (``job.launch``) and rank 0 of a torchrun job
+(``job.torchrun``), before any rank reads the directory.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import contextlib
 import os
 import sys
 
-from .train_config import _delay_hparams, _updates_per_window
+from .derived import _delay_hparams, _updates_per_window
+from .config import TrainConfig
 
 __all__ = ["RESUME_MUST_MATCH", "resume_config", "RUN_DIR_ENTRIES", "check_run_dir"]
 
@@ -43,26 +44,26 @@ def _refuse_changed_tokenizer(directory: str, saved: dict, mine: dict) -> None:
                       "as they were, or start a new run in another --run-dir")
 
 
-def _changed_clip(saved: dict, cfg: dict) -> list[str]:
-    if "clip" not in saved or saved["clip"] == cfg["clip"]:
+def _changed_clip(saved: dict, cfg: TrainConfig) -> list[str]:
+    if "clip" not in saved or saved["clip"] == cfg.clip:
         return []
-    new = f"--clip {cfg['clip']:g}" + (" (off)" if not cfg["clip"] else "")
+    new = f"--clip {cfg.clip:g}" + (" (off)" if not cfg.clip else "")
     return [f"{new} applies from here on: the checkpoint was written with --clip {saved['clip']:g}"]
 
 
-def resume_config(cfg: dict) -> dict:
+def resume_config(cfg: TrainConfig) -> dict:
     """What a checkpoint records of the run that wrote it, for ``--resume`` to check."""
-    out = {k: cfg.get(k) for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
-    out["update_every"] = cfg.get("update_every")
+    out = {k: getattr(cfg, k) for k in (*RESUME_MUST_MATCH, "schedule", "stages", "microbatches", "clip")}
+    out["update_every"] = cfg.update_every
     out["updates_per_window"] = _updates_per_window(cfg)
-    out["dp"], out["microbatch_size"] = cfg.get("dp", 1), cfg["microbatch_size"]
-    out["tokenizer_sha256"], out["vocab_size"] = cfg.get("tokenizer_sha256"), cfg.get("vocab_size")
+    out["dp"], out["microbatch_size"] = cfg.dp, cfg.microbatch_size
+    out["tokenizer_sha256"], out["vocab_size"] = cfg.tokenizer_sha256, cfg.vocab_size
     out["delay"] = _delay_hparams(cfg)
-    out["data"] = cfg.get("prepared")  # a prepare-data folder: what its tokens are (None: plain text)
+    out["data"] = cfg.prepared  # a prepare-data folder: what its tokens are (None: plain text)
     return out
 
 
-def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
+def _resume_point(root: str, cfg: TrainConfig) -> tuple[str, int, dict]:
     """The checkpoint ``--resume`` continues from (the newest intact one; each one passed over is printed
     as a warning), its step and its ``extra``, after checking its files (read with weights_only: no code
     runs) and that this run can continue it; ConfigError or CheckpointError says why not."""
@@ -82,14 +83,14 @@ def _resume_point(root: str, cfg: dict) -> tuple[str, int, dict]:
         mine = resume_config(cfg)
         _refuse_changed(directory, saved, mine)
         _refuse_changed_data(directory, saved, mine)
-        before = saved.get("delay", _delay_hparams({}))
+        before = saved.get("delay", _delay_hparams(TrainConfig()))
         if before != mine["delay"]:
             flags = lambda d: f"--delay-lr {d['lr']} --delay-momentum {d['momentum']} --delay-warmup {d['warmup']}"  # noqa: E731
             raise ConfigError(f"{directory} was written with {flags(before)} and this run asks for "
                               f"{flags(mine['delay'])}: the learning-rate schedule's state would not carry over. "
                               f"Resume with {flags(before)}, or start a new run in another --run-dir")
         _refuse_changed_tokenizer(directory, saved, mine)
-        _check_dp_change(directory, saved, mine, cfg.get("allow_dp_change", False))
+        _check_dp_change(directory, saved, mine, cfg.allow_dp_change)
         if saved["updates_per_window"] != mine["updates_per_window"]:
             def what(c):
                 m = c.get("update_every")
@@ -244,7 +245,7 @@ def _newest_checkpoint(root: str, failure: str = "") -> str:
     return f"the newest intact checkpoint is {directory} (step {manifest['step']}); continue with --resume"
 
 
-def _claim_run_dir(args, ckpt_root: str) -> bool:
+def _claim_run_dir(cfg: TrainConfig, ckpt_root: str) -> bool:
     """A run directory holding an earlier run's checkpoints is continued (--resume) or deleted first
     (--overwrite), never silently overwritten; ConfigError says which flag to use. Returns whether this run
     resumes: --resume auto does where a checkpoint was committed, and starts afresh where none was (a first
@@ -252,30 +253,30 @@ def _claim_run_dir(args, ckpt_root: str) -> bool:
     from ..runtime import checkpoint_files as files
     from ..errors import ConfigError
     earlier = sorted(os.listdir(ckpt_root)) if os.path.isdir(ckpt_root) else []
-    if args.resume == "auto":
+    if cfg.resume == "auto":
         if files.has_committed(ckpt_root):
             return True
         if earlier:
             print(f"pipeoptim train: --resume auto: {ckpt_root} holds no committed checkpoint (only what a run "
                   f"stopped while writing left: {', '.join(earlier)}); starting afresh", file=sys.stderr)
         return False
-    if args.resume:
+    if cfg.resume:
         if not files.list_steps(ckpt_root) and not os.path.exists(os.path.join(ckpt_root, "meta.pt")):
             raise ConfigError(f"--resume: no checkpoint in {ckpt_root}: a run writes one every --save-every "
                               "windows and at its end. Start this run without --resume")
-    elif earlier and not args.overwrite:
+    elif earlier and not cfg.overwrite:
         steps = files.list_steps(ckpt_root)
         what = f"checkpoints up to step {steps[0][0]}" if steps else f"{len(earlier)} checkpoint file(s)"
-        raise ConfigError(f"{args.run_dir} holds an earlier run ({what} in {ckpt_root}): continue it with "
+        raise ConfigError(f"{cfg.run_dir} holds an earlier run ({what} in {ckpt_root}): continue it with "
                           "--resume, or start afresh with --overwrite (deletes its checkpoints, history.json and "
                           "loss.png), or give this run its own --run-dir")
-    elif args.overwrite:
+    elif cfg.overwrite:
         import shutil
         shutil.rmtree(ckpt_root, ignore_errors=True)
         for name in ("history.json", "loss.png"):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(args.run_dir, name))
+                os.remove(os.path.join(cfg.run_dir, name))
         if earlier:
             print(f"pipeoptim train: --overwrite: deleted the earlier run's checkpoints, history.json and loss.png "
-                  f"in {args.run_dir}", file=sys.stderr)
-    return bool(args.resume)
+                  f"in {cfg.run_dir}", file=sys.stderr)
+    return bool(cfg.resume)

@@ -1,8 +1,9 @@
 """``pipeoptim train`` under torchrun: every process torchrun starts is one rank of the job.
 
-Without torchrun, ``pipeoptim train`` starts its own ranks on this machine (``runtime.launch``). Started by
-torchrun (``torchrun ... -m pipeoptim.cli train ...``; torchrun's environment says so: TORCHELASTIC_RUN_ID,
-RANK, WORLD_SIZE), each process runs the same per-rank training instead, with the rank torchrun gave it, so
+Without torchrun, ``pipeoptim train`` (and ``pipeoptim.job.run``) starts its own ranks on this machine
+(``runtime.launch``). Started by torchrun (``torchrun ... -m pipeoptim.cli train ...``, or a script of the user's
+that calls ``pipeoptim.job.run``; torchrun's environment says so: TORCHELASTIC_RUN_ID, RANK, WORLD_SIZE), each
+process runs the same per-rank training instead, with the rank torchrun gave it, so
 one job can span machines (torchrun's ``--nnodes``, ``--rdzv-backend c10d``). The flags mean the same; the
 ones that belong to the local launcher (``--port``, ``--emulate``) are refused, and ``--stages`` must be the
 job's process count.
@@ -22,31 +23,33 @@ import time
 
 from .run_dir import _claim_run_dir, _newest_checkpoint, _resume_point, _run_dir_lock
 from .torchrun_env import TorchrunEnv, torchrun_env
-from .train_config import _config
-from .train_outputs import NONFINITE_EXIT, _nothing_to_do, _outputs_on_the_way_out, report
-from .train_rank import train_worker
+from .checks import _check_fields
+from .checks import check as check_config
+from .config import TrainConfig
+from .outputs import NONFINITE_EXIT, _nothing_to_do, _outputs_on_the_way_out, report
+from .rank import train_worker
 
 __all__ = ["TorchrunEnv", "torchrun_env", "check", "run_rank"]
 
 
-def check(args, tr: TorchrunEnv) -> None:
+def check(config: TrainConfig, tr: TorchrunEnv) -> None:
     """ConfigError for flags that do not fit a torchrun job (every rank raises the same, before torch loads)."""
     from ..errors import ConfigError
-    if args.emulate:
+    if config.emulate:
         raise ConfigError("--emulate runs every stage in one process, but torchrun started this one as rank "
                           f"{tr.rank} of {tr.world_size}: drop --emulate, or run pipeoptim train --emulate "
                           "without torchrun")
-    if args.port is not None:
-        raise ConfigError(f"--port {args.port} is the local launcher's rendezvous port; under torchrun the "
+    if config.port is not None:
+        raise ConfigError(f"--port {config.port} is the local launcher's rendezvous port; under torchrun the "
                           "rendezvous is torchrun's (--rdzv-endpoint HOST:PORT, or --master-port): drop --port")
-    dp = getattr(args, "dp", 1)
-    if args.stages * dp != tr.world_size:
-        given = f"--stages {args.stages}" + (f" x --dp {dp}" if dp > 1 else "")
+    dp = config.dp
+    if config.stages * dp != tr.world_size:
+        given = f"--stages {config.stages}" + (f" x --dp {dp}" if dp > 1 else "")
         raise ConfigError(f"torchrun started {tr.world_size} processes (WORLD_SIZE) but {given} needs "
-                          f"{args.stages * dp}: pipeoptim train runs one process per pipeline device and replica, so "
+                          f"{config.stages * dp}: pipeoptim train runs one process per pipeline device and replica, so "
                           f"pass --stages {tr.world_size // dp if tr.world_size % dp == 0 else tr.world_size}"
                           f"{f' --dp {dp}' if dp > 1 and tr.world_size % dp == 0 else ''}, or start torchrun with "
-                          f"--nnodes x --nproc-per-node = {args.stages * dp}")
+                          f"--nnodes x --nproc-per-node = {config.stages * dp}")
 
 
 def _share(text: str | None, ctx) -> str:
@@ -66,52 +69,53 @@ def _share(text: str | None, ctx) -> str:
 _OK, _DONE, _ERROR = "ok:", "done:", "error:"
 
 
-def _claim(args, cfg: dict, ckpt_root: str) -> str:
+def _claim(cfg: TrainConfig, ckpt_root: str) -> str:
     """Rank 0: claim the run directory; ``ok:<checkpoint or empty>``, ``done:`` (nothing left to train, said
     already) or ``error:<message>``."""
     from ..runtime.checkpoint_files import CheckpointError
     from ..errors import ConfigError
     try:
-        if not _claim_run_dir(args, ckpt_root):
+        if not _claim_run_dir(cfg, ckpt_root):
             return _OK
         try:
             directory, at, extra = _resume_point(ckpt_root, cfg)
         except (FileNotFoundError, CheckpointError) as e:
             raise ConfigError(f"--resume: {e}") from None
-        if at >= args.steps:
-            _nothing_to_do(at, args.steps, directory, extra)
+        if at >= cfg.steps:
+            _nothing_to_do(at, cfg.steps, directory, extra)
             return _DONE
-        print(f"resuming from {directory} (step {at} of {args.steps})", file=sys.stderr)
+        print(f"resuming from {directory} (step {at} of {cfg.steps})", file=sys.stderr)
         return _OK + directory
     except ConfigError as e:
         return _ERROR + str(e)
 
 
-def run_rank(args) -> int:
+def run_rank(config: TrainConfig) -> int:
     """This process's rank of ``pipeoptim train`` under torchrun; the same exit statuses as without it."""
     import contextlib
 
     from ..errors import ConfigError, PipelineError
     tr = torchrun_env()
-    ckpt_root = os.path.join(args.run_dir, "checkpoint")
+    ckpt_root = os.path.join(config.run_dir, "checkpoint")
     try:
-        check(args, tr)
-        cfg = _config(args)
+        _check_fields(config)  # (what the parser checks of a flag: a config from Python skipped it)
+        check(config, tr)
+        cfg = check_config(config)
     except ConfigError as e:
         print(f"pipeoptim train: invalid configuration (rank {tr.rank}): {e}", file=sys.stderr)
         return 2
-    cfg["local_ranks"] = tr.local_world_size
-    if args.watchdog_s is not None:  # the rendezvous is watched with it too
-        os.environ["PIPEOPTIM_WATCHDOG_S"] = str(args.watchdog_s)
+    cfg = cfg.replace(local_ranks=tr.local_world_size)
+    if cfg.watchdog_s is not None:  # the rendezvous is watched with it too
+        os.environ["PIPEOPTIM_WATCHDOG_S"] = str(cfg.watchdog_s)
     from ..runtime.dist_env import init_from_env
     try:
         with contextlib.ExitStack() as held:
-            ctx = init_from_env(cfg["device"])
+            ctx = init_from_env(cfg.device)
             claimed = None
             if tr.rank == 0:
                 try:
-                    held.enter_context(_run_dir_lock(args.run_dir))
-                    claimed = _claim(args, cfg, ckpt_root)
+                    held.enter_context(_run_dir_lock(cfg.run_dir))
+                    claimed = _claim(cfg, ckpt_root)
                 except ConfigError as e:
                     claimed = _ERROR + str(e)
             if ctx.watch is not None and tr.rank != 0:
@@ -127,17 +131,17 @@ def run_rank(args) -> int:
                 return 2
             if outcome == _DONE:
                 return 0
-            cfg["resume_from"] = outcome[len(_OK):] or None
+            cfg = cfg.replace(resume_from=outcome[len(_OK):] or None)
             t0 = time.perf_counter()
             result = train_worker(cfg)
     except KeyboardInterrupt:
         if tr.rank == 0:
-            _outputs_on_the_way_out(args.run_dir, cfg)
+            _outputs_on_the_way_out(cfg.run_dir, cfg)
         return 130
     except PipelineError as e:
         print(f"pipeoptim train: rank {tr.rank} failed: {e}", file=sys.stderr)
         if tr.rank == 0:
-            _outputs_on_the_way_out(args.run_dir, cfg)
+            _outputs_on_the_way_out(cfg.run_dir, cfg)
             if line := _newest_checkpoint(ckpt_root, str(e)):
                 print(f"pipeoptim train: {line}", file=sys.stderr)
         return 1
@@ -145,4 +149,4 @@ def run_rank(args) -> int:
         if result.get("preempted"):
             return 128 + signal.SIGTERM
         return NONFINITE_EXIT if result.get("stopped") else 0
-    return report(result, cfg, args, t0)
+    return report(result, cfg, t0)

@@ -1,7 +1,7 @@
 """Whether torchrun started this process, and its place in the job: read from the environment alone (no torch).
 
-Its own module because both ways of starting ``pipeoptim train`` ask it: ``cli.train`` (to hand a torchrun
-process to ``cli.torchrun``) and ``cli.train_config`` (how many ranks share this machine's cores and GPUs).
+Its own module because both ways of starting a run ask it: ``job.launch`` (to hand a torchrun process to
+``job.torchrun``) and ``job.checks`` (how many ranks share this machine's cores and GPUs).
 """
 from __future__ import annotations
 
