@@ -3,7 +3,7 @@
 - ``text``: corpora read in memory (the standard library's source, the user's own text, scikit-learn's digits)
   and tokenizers loaded from local files only; the names below come from it.
 - ``token_shards``: a large corpus tokenized once into shards, read by index (``prepare_data``: the tokenizing,
-  ``pipeoptim prepare-data``).
+  ``pipeoptim prepare-data``, of the units of work ``sources`` cuts a text, JSONL, Parquet or Arrow source into).
 - ``batches``: the batches one rank of ``pipeoptim train`` feeds its pipeline, and their order in a checkpoint.
 
 Importing this package loads no torch: ``pipeoptim train`` checks ``--data`` before torch is imported.

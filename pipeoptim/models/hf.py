@@ -66,7 +66,8 @@ from torch import nn
 
 from .hf_anatomy import (Anatomy, Arrived, BackboneOutputModule, Elsewhere, HFInit, LayerStandIn, OwnBuffers,
                          UnsupportedModel, call_entry, find_anatomy, has_weights, make_view, rebuild_model,
-                         require_transformers, shared_weightless, watch_calls)
+                         require_transformers, shared_weightless)
+from .hf_watch import watch_calls
 
 __all__ = ["HFCut", "HFInit", "UnsupportedModel", "byte_level_config", "causal_lm_layers", "causal_lm_loss",
            "masked_lm_layers", "masked_lm_loss", "require_transformers", "untied_copy"]

@@ -3,6 +3,7 @@
     plan.Plan          what the executors derive from a schedule (s per forward, channels, loss scale)
     microbatches       a batch checked and split into the micro-batches a schedule runs
     worker             one device's chunks and what each compute/step action does to them
+    grad_norm          the squared gradient norm in one accurate pass per buffer
     executor           one process per device on torch.distributed (gloo on CPU, NCCL on GPU)
     emulator           every device in one process, same numbers: the oracle and the fast path
     comm               point-to-point messages with shape headers, in a deadlock-free order
