@@ -212,3 +212,12 @@ def test_the_architecture_page_lists_the_same_layers():
 @pytest.mark.parametrize("module", ["pipeoptim.errors"])
 def test_the_bottom_modules_import_nothing(module):
     assert import_graph()[module] == set()
+
+
+MAX_MODULE_LINES = 400  # a module longer than this holds more than one job: split it by job (docs/architecture.md)
+
+
+def test_no_module_of_the_package_is_longer_than_a_job():
+    long = {name: n for name, path in module_files().items()
+            if name.split(".")[0] == "pipeoptim" and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split each by job, as docs/architecture.md says): {long}"
