@@ -60,7 +60,8 @@ def test_the_command_line_and_python_make_the_same_checked_config():
     ({"emulate": "yes"}, r"emulate \(--emulate\) must be True or False, got 'yes'"),
     ({"resume": "always"}, r"resume \(--resume\) must be one of False, True, 'auto', got 'always'"),
     ({"hf_set": "n_layer=2"}, r"hf_set \(--hf-set\) must be None or a list of 'KEY=VALUE' strings"),
-    ({"checkpoint_stages": "all"}, r"checkpoint_stages \(--checkpoint-stages\) must be None, True"),
+    ({"checkpoint_stages": 3}, r"checkpoint_stages \(--checkpoint-stages\) must be None, True"),
+    ({"checkpoint_stages": "one:2"}, r"checkpoint_stages \(--checkpoint-stages\): 'one:2': give 'all'"),
     ({"link": "latency=fast"}, r"link \(--link\):"),
     ({"resume": True, "overwrite": True}, r"give one of the two"),
 ])
@@ -133,3 +134,13 @@ def test_a_checked_config_is_not_checked_twice_and_its_resolved_flags_stay(tmp_p
     with pytest.raises(dataclasses.FrozenInstanceError):
         checked.lr = 1e-3
     assert "checked" not in checked.to_dict() and checked.to_dict()["lr"] == checked.lr
+
+
+def test_checkpoint_stages_takes_the_flags_spelling_from_python_too():
+    config = TrainConfig(model="small", stages=2, schedule="1f1b", emulate=True)
+    flags = ["--model", "small", "--stages", "2", "--schedule", "1f1b", "--emulate"]
+    for spec in ("all", "0,1:0-1", "1:2"):
+        from_python = check(config.replace(checkpoint_stages=spec))
+        from_cli = check(TrainConfig.from_args(_parsed(*flags, "--checkpoint-stages", spec)))
+        assert from_python.checkpoint_stages == from_cli.checkpoint_stages != spec, spec
+    assert check(config.replace(checkpoint_stages="0,1:0-1")).checkpoint_stages == {0: "all", 1: [0, 1]}

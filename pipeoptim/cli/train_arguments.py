@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from ..delay import LR_RULES, MOMENTUM_RULES
-from ..job.config import ASYNC_1F1B_ADAMW_LR, ASYNC_1F1B_MUON_LR, DEFAULT_LR, OPTIMIZERS, SIZES
+from ..job.config import (ASYNC_1F1B_ADAMW_LR, ASYNC_1F1B_MUON_LR, DEFAULT_LR, OPTIMIZERS, SIZES,
+                          checkpoint_stages_spec)
 
 from .arg_types import non_negative_float as _non_negative_float
 from .arg_types import non_negative_int as _non_negative_int
@@ -179,27 +180,10 @@ class _Given(argparse.Action):
 
 
 def _checkpoint_stages(text: str):
-    """--checkpoint-stages: 'all' -> True; '0,1:0-2,1:5' -> {0: 'all', 1: [0, 1, 2, 5]} (Pipeline's forms)."""
-    if text.strip() == "all":
-        return True
-    out: dict[int, object] = {}
     try:
-        for item in text.split(","):
-            stage, _, layers = item.strip().partition(":")
-            k = int(stage)
-            if not layers:
-                out[k] = "all"
-                continue
-            lo, _, hi = layers.partition("-")
-            chosen = list(range(int(lo), int(hi or lo) + 1))
-            if not chosen or min(chosen) < 0 or k < 0:
-                raise ValueError
-            if out.get(k) != "all":
-                out[k] = sorted(set(out.get(k, [])) | set(chosen))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give 'all', stage indices '0,1', or layers within a stage "
-                                         "'1:0-2' (stage 1, its layers 0 to 2)") from None
-    return out
+        return checkpoint_stages_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _link_spec(text: str) -> str:

@@ -12,7 +12,7 @@ import math
 import sys
 
 from ..data import VOCAB_SIZE  # bytes, unless --tokenizer (pipeoptim.data loads torch only when it reads text)
-from .config import OPTIMIZERS, SIZES, TrainConfig, apply_recipe, default_lr
+from .config import OPTIMIZERS, SIZES, TrainConfig, apply_recipe, checkpoint_stages_spec, default_lr
 from .data_checks import _check_data, _check_tokens, _prepared_config, _tokenizer_identity
 from .derived import _cores, _delay_hparams, _muon_scale, _predict_from, _schedule_params, emulation_words
 
@@ -30,6 +30,8 @@ def check(config: TrainConfig) -> TrainConfig:
     from ..runtime.plan import Plan
     _check_fields(config)
     args = apply_recipe(config)
+    if isinstance(args.checkpoint_stages, str):  # the flag's spelling, from Python
+        args = args.replace(checkpoint_stages=checkpoint_stages_spec(args.checkpoint_stages))
     if args.hf_set and not args.hf_config:
         raise ConfigError("--hf-set changes the config of --hf-config; give --hf-config PATH_OR_NAME too")
     hf_spec = None
@@ -146,8 +148,14 @@ def _check_fields(config: TrainConfig) -> None:
     if config.resume and config.overwrite:
         raise ConfigError("resume (--resume) continues the run in run_dir and overwrite (--overwrite) deletes it: "
                           "give one of the two")
-    if not (config.checkpoint_stages in (None, True) or isinstance(config.checkpoint_stages, dict)):
-        raise bad("checkpoint_stages", "None, True (every stage) or a dict {stage: 'all' or [layer, ...]}")
+    if isinstance(config.checkpoint_stages, str):
+        try:
+            checkpoint_stages_spec(config.checkpoint_stages)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint_stages (--checkpoint-stages): {e}") from None
+    elif not (config.checkpoint_stages in (None, True) or isinstance(config.checkpoint_stages, dict)):
+        raise bad("checkpoint_stages", "None, True (every stage), a dict {stage: 'all' or [layer, ...]} or the "
+                                       "flag's spelling ('all', '0,1', '1:0-2')")
     if config.hf_set is not None and (isinstance(config.hf_set, str) or
                                       not all(isinstance(x, str) for x in config.hf_set)):
         raise bad("hf_set", "None or a list of 'KEY=VALUE' strings")

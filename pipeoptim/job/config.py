@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 __all__ = ["TrainConfig", "SIZES", "OPTIMIZERS", "DEFAULT_LR", "ASYNC_1F1B_ADAMW_LR", "ASYNC_1F1B_MUON_LR",
-           "default_lr", "RECIPE_FLAGS", "apply_recipe"]
+           "default_lr", "RECIPE_FLAGS", "apply_recipe", "checkpoint_stages_spec"]
 
 
 SIZES = {  # name -> (d_model, n_heads, n_layers, seq_len)
@@ -37,6 +37,31 @@ def default_lr(schedule: str, optimizer: str) -> float:
     """The peak lr a run gets without ``lr`` (``DEFAULT_LR`` but for the measured asynchronous pairs)."""
     measured = {("async-1f1b", "adamw"): ASYNC_1F1B_ADAMW_LR, ("async-1f1b", "muon"): ASYNC_1F1B_MUON_LR}
     return measured.get((schedule, optimizer), DEFAULT_LR)
+
+
+def checkpoint_stages_spec(text: str):
+    """``checkpoint_stages`` as the flag writes it: 'all' -> True; '0,1:0-2,1:5' -> {0: 'all', 1: [0, 1, 2, 5]}
+    (the ``Pipeline``'s forms); a ValueError saying what it takes otherwise."""
+    if text.strip() == "all":
+        return True
+    out: dict[int, object] = {}
+    try:
+        for item in text.split(","):
+            stage, _, layers = item.strip().partition(":")
+            k = int(stage)
+            if not layers:
+                out[k] = "all"
+                continue
+            lo, _, hi = layers.partition("-")
+            chosen = list(range(int(lo), int(hi or lo) + 1))
+            if not chosen or min(chosen) < 0 or k < 0:
+                raise ValueError
+            if out.get(k) != "all":
+                out[k] = sorted(set(out.get(k, [])) | set(chosen))
+    except ValueError:
+        raise ValueError(f"{text!r}: give 'all', stage indices '0,1', or layers within a stage '1:0-2' (stage 1, its "
+                         "layers 0 to 2)") from None
+    return out
 
 
 @dataclass(frozen=True)
