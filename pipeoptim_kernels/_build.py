@@ -24,7 +24,9 @@ CUDA_SOURCES = ["cuda/ops_cuda.cu"]
 # -ffp-contract=off: no fused multiply-adds the source does not write, so every CPU loop (each
 # instruction set, ordinary or streaming stores) rounds the same way and gives the same bits.
 # -Wno-psabi: the loops pass vectors only to always-inlined functions, never across a call ABI.
-CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi"]
+# -g0: no debug information (Python's own CFLAGS ask for -g; it changes no instruction): the five C++ sources
+# compile in 116 s of CPU instead of 186 (AMD EPYC, AVX2, gcc, one at a time), and the library is smaller.
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-Wno-psabi", "-g0"]
 LINK_FLAGS = ["-fopenmp"]
 # The GPU targets come from TORCH_CUDA_ARCH_LIST, which torch turns into -gencode flags (and ignores
 # when these flags name an arch themselves); a build with no GPU to ask and no list set gets these.
